@@ -1,0 +1,393 @@
+"""`OffloadCoordinator`: decides *when* optimizer state leaves and re-enters the GPU.
+
+One coordinator per process drives every `OptimizerStateOffloader` (dense, expert, ...) of its
+device through one training iteration:
+
+    step ──▶ copy out (D2H starts right after the Adam kernels were enqueued; nothing freed yet)
+         ──▶ first forward: free chunks layer by layer, as late as the memory budget allows
+         ──▶ ... microbatches (all state off the GPU at every activation peak) ...
+         ──▶ last backward(s): reload chunks as the backward frees activations
+         ──▶ finalize_model_grads: reload whatever is left (fallback trigger)
+         ──▶ step: the compute stream waits for the reload (no host sync), Adam runs on the GPU.
+
+The memory budget. Let S be the state bytes being offloaded, A0 the allocated bytes when the
+iteration's first forward starts (state still resident) and g(t) the activation growth since then
+(measured allocated bytes plus the state bytes freed so far). The goal is that allocated never
+exceeds A0 - S + P, P being the iteration's peak growth; with r(t) state bytes still resident
+that means r(t) + g(t) <= P. At each layer's forward pre-hook we free chunks until
+r <= P - g(next hook) - margin, g being the growth profile measured on earlier iterations.
+Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook.
+Reloads in the last backward(s) follow the same rule in reverse: a chunk comes back when
+allocated + its bytes stays below the highest allocated level seen at the end of a forward in
+this iteration, which the state was already off for.
+
+The coordinator imports nothing from `megatron.training`; any training loop can drive it through
+`forward_begin` / `forward_end` / `backward_begin` / `grads_finalizing` / `optimizer_step_done`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+from .offloader import DEFAULT_CHUNK_BYTES, ChunkState, OptimizerStateOffloader
+from .streams import CopyStreams, TransferTotals
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MARGIN_BYTES = 64 * 2**20
+
+
+class Phase(enum.Enum):
+    """Where the coordinator is in the iteration (for assertions, logs and tests)."""
+
+    NO_STATE = "no_state"  # before the first optimizer step created the state
+    FREEING = "freeing"  # after a step: state copying out, freed during the next forward
+    OFFLOADED = "offloaded"  # everything that is going to be freed is freed
+    RELOADING = "reloading"  # in the last backward(s): state coming back
+    STEPPING = "stepping"  # inside the inner optimizer step: state resident
+
+
+class OffloadCoordinator:
+    def __init__(
+        self,
+        device: Optional[torch.device] = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        margin_bytes: int = DEFAULT_MARGIN_BYTES,
+        expected_forwards_per_iteration: Optional[Callable[[], int]] = None,
+        memory_allocated: Optional[Callable[[], int]] = None,
+        max_memory_allocated: Optional[Callable[[], int]] = None,
+        timing: bool = True,
+    ):
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
+        self.streams = CopyStreams(self.device, timing=timing)
+        self.chunk_bytes = chunk_bytes
+        self.margin_bytes = margin_bytes
+        self.expected_forwards = expected_forwards_per_iteration
+        is_cuda = self.device.type == "cuda"
+        self._allocated = memory_allocated or (
+            (lambda: torch.cuda.memory_allocated(self.device)) if is_cuda else (lambda: 0)
+        )
+        self._max_allocated = max_memory_allocated or (
+            (lambda: torch.cuda.max_memory_allocated(self.device)) if is_cuda else (lambda: 0)
+        )
+        self.offloaders: List[OptimizerStateOffloader] = []
+        self.phase = Phase.NO_STATE
+        self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
+        self._hook_handles = []
+        self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
+
+        # Per-iteration counters.
+        self._train_forwards = 0
+        self._stepped = set()  # ids of offloaders whose inner step ran this iteration
+        self._sampling = False  # first training forward of the iteration: sample memory per layer
+        self._a0 = 0
+        self._m0 = 0
+        self._freed_this_iter = 0
+        self._layer_index = 0
+        self._fwd_end_max = 0
+        self._window_open = False
+
+        # Growth profile of the first forward, running max over iterations (see module doc).
+        self.profile: List[int] = []
+        self.profile_end: Optional[int] = None
+        self.peak_growth: Optional[int] = None
+        self.announced = False
+
+    # ------------------------------------------------------------------------------------------
+    # Registration
+    # ------------------------------------------------------------------------------------------
+    def add_optimizer(self, dist_opt, name: str = "optimizer") -> OptimizerStateOffloader:
+        off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name)
+        off.discovery_pending = True
+        self.offloaders.append(off)
+        inner = getattr(dist_opt, "optimizer", None)
+        if inner is not None and not getattr(dist_opt, "is_stub_optimizer", False):
+            self._hook_handles.append(
+                inner.register_step_pre_hook(lambda opt, a, k, off=off: self._before_inner_step(off))
+            )
+            self._hook_handles.append(
+                inner.register_step_post_hook(lambda opt, a, k, off=off: self._after_inner_step(off))
+            )
+        return off
+
+    def watch_model(self, model_chunks: Iterable[torch.nn.Module]) -> int:
+        """Hook the layers whose forward/backward pace the freeing and reloading. Returns count."""
+        count = 0
+        for chunk in model_chunks:
+            for module in pacing_modules(chunk):
+                self._hook_handles.append(module.register_forward_pre_hook(self._on_layer_forward))
+                self._hook_handles.append(module.register_forward_hook(self._on_layer_output))
+                count += 1
+        return count
+
+    def _trace(self, what: str) -> None:
+        self.events.append(what)
+        if len(self.events) > 4096:
+            del self.events[:2048]
+
+    # ------------------------------------------------------------------------------------------
+    # Byte accounting
+    # ------------------------------------------------------------------------------------------
+    def _chunks(self, *states: ChunkState):
+        return [(off, c) for off in self.offloaders for c in off.chunks if c.state in states]
+
+    def bytes_in(self, *states: ChunkState) -> int:
+        return sum(off.bytes_in(*states) for off in self.offloaders)
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(off.state_bytes for off in self.offloaders)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(off.pinned_bytes for off in self.offloaders)
+
+    def _free_until(self, budget: int) -> int:
+        """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated."""
+        pending = self._chunks(ChunkState.COPYING_OUT)
+        remaining = sum(c.nbytes for _, c in pending)
+        by_offloader = {}
+        for off, chunk in pending:
+            if remaining <= budget:
+                break
+            by_offloader.setdefault(id(off), (off, []))[1].append(chunk)
+            remaining -= chunk.nbytes
+        freed = sum(off.free(chunks) for off, chunks in by_offloader.values())
+        self._freed_this_iter += freed
+        if freed and not self._chunks(ChunkState.COPYING_OUT):
+            self.phase = Phase.OFFLOADED
+            self._trace("offloaded")
+        return freed
+
+    def _reload_up_to(self, ceiling: Optional[int]) -> int:
+        """Start H2D for OFFLOADED chunks while allocated + their bytes stays <= ceiling."""
+        todo = self._chunks(ChunkState.OFFLOADED)
+        if not todo:
+            return 0
+        allocated = self._allocated() if ceiling is not None else 0
+        by_offloader = {}
+        for off, chunk in todo:
+            if ceiling is not None and allocated + chunk.nbytes > ceiling:
+                break
+            by_offloader.setdefault(id(off), (off, []))[1].append(chunk)
+            allocated += chunk.nbytes
+        moved = sum(off.start_copy_in(chunks) for off, chunks in by_offloader.values())
+        if moved:
+            if self.phase is not Phase.RELOADING:
+                self._trace("reload_start")
+            self.phase = Phase.RELOADING
+        return moved
+
+    # ------------------------------------------------------------------------------------------
+    # Training-loop lifecycle
+    # ------------------------------------------------------------------------------------------
+    def forward_begin(self, training: bool = True) -> None:
+        if not training:
+            # Evaluation forwards need the memory too, but do not count as microbatches.
+            self._free_until(0)
+            return
+        first = self._train_forwards == 0
+        self._train_forwards += 1
+        if not first:
+            return
+        self._layer_index = 0
+        self._freed_this_iter = 0
+        self._fwd_end_max = 0
+        self._sampling = bool(self._chunks(ChunkState.COPYING_OUT)) or self.peak_growth is None
+        if self._sampling:
+            self._a0 = self._allocated()
+            self._m0 = self._max_allocated()
+        self._trace("forward_begin")
+
+    def _growth(self) -> int:
+        return self._allocated() - self._a0 + self._freed_this_iter
+
+    def _on_layer_forward(self, module, args) -> None:
+        if not self._sampling or not torch.is_grad_enabled():
+            return
+        h = self._layer_index
+        self._layer_index += 1
+        growth = self._growth()
+        if h < len(self.profile):
+            self.profile[h] = max(self.profile[h], growth)
+        else:
+            self.profile.append(growth)
+        if not self._chunks(ChunkState.COPYING_OUT):
+            return
+        if self.peak_growth is None:
+            budget = 0
+        else:
+            if h + 1 < len(self.profile):
+                upcoming = self.profile[h + 1]
+            else:
+                upcoming = self.profile_end if self.profile_end is not None else self.peak_growth
+            budget = max(0, self.peak_growth - upcoming - self.margin_bytes)
+        self._free_until(budget)
+
+    def _on_layer_output(self, module, args, output) -> None:
+        if self._train_forwards == 0 or not torch.is_grad_enabled() or self.phase is Phase.NO_STATE:
+            return
+        tensor = _first_grad_tensor(output)
+        if tensor is not None:
+            tensor.register_hook(self._on_layer_backward)
+
+    def forward_end(self) -> None:
+        if self._train_forwards == 0:
+            return
+        if self._sampling:
+            growth = self._growth()
+            self.profile_end = growth if self.profile_end is None else max(self.profile_end, growth)
+            self._sampling = False
+        # The backward starts now and with it the activation peak: nothing may stay behind.
+        self._free_until(0)
+        if self.bytes_in(ChunkState.OFFLOADED):
+            self._fwd_end_max = max(self._fwd_end_max, self._allocated())
+
+    def backward_begin(self) -> None:
+        if self._window_open or self._train_forwards == 0:
+            return
+        expected = self.expected_forwards() if self.expected_forwards is not None else None
+        if expected is not None and self._train_forwards >= expected:
+            # No forward will follow: from here on the backwards only release activations.
+            self._window_open = True
+            self._trace("reload_window")
+            self._reload_up_to(self._fwd_end_max)
+
+    def _on_layer_backward(self, grad):
+        if self._window_open and self.bytes_in(ChunkState.OFFLOADED):
+            self._reload_up_to(self._fwd_end_max)
+        return None
+
+    def grads_finalizing(self) -> None:
+        """All backwards are enqueued: reload whatever is still off (fallback trigger)."""
+        self._trace("grads_finalizing")
+        self._reload_up_to(None)
+        if self.peak_growth is None or self._max_allocated() > self._m0:
+            # A new peak this iteration: P = (peak allocated) - A0 + (state freed before it).
+            if self._a0:
+                observed = self._max_allocated() - self._a0 + self._freed_this_iter
+                self.peak_growth = max(self.peak_growth or 0, observed)
+
+    def _before_inner_step(self, off: OptimizerStateOffloader) -> None:
+        if self._suspended:
+            return
+        self._trace(f"step_begin:{off.name}")
+        self.phase = Phase.STEPPING
+        self._stepped.add(id(off))
+        off.make_resident(will_modify=True)
+
+    def _after_inner_step(self, off: OptimizerStateOffloader) -> None:
+        if self._suspended:
+            return
+        if off.discovery_pending:
+            # The first step created the moments lazily; they exist only now.
+            off.refresh()
+            off.discovery_pending = False
+            self._announce()
+        off.start_copy_out()
+        self._trace(f"copy_out:{off.name}")
+
+    def optimizer_step_done(self) -> None:
+        """After the whole (chained) optimizer step returned, whether it updated or skipped."""
+        for off in self.offloaders:
+            if id(off) not in self._stepped:
+                # Skipped step (inf/nan, grad-norm threshold) or a stub: the reload may be in
+                # flight and the state unchanged. Make it whole and send it back out; the host
+                # copy is still current, so no D2H is needed.
+                off.make_resident(will_modify=False)
+                off.start_copy_out()
+                self._trace(f"skipped:{off.name}")
+        self._stepped.clear()
+        self._train_forwards = 0
+        self._window_open = False
+        if self._chunks(ChunkState.COPYING_OUT):
+            self.phase = Phase.FREEING
+        self._trace("step_done")
+
+    # ------------------------------------------------------------------------------------------
+    # Readers and writers of the state outside the step (checkpointing, RL, param reload)
+    # ------------------------------------------------------------------------------------------
+    def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
+        self._suspended += 1
+        off.make_resident(will_modify=will_modify)
+
+    def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
+        self._suspended -= 1
+        if modified:
+            # Tensors may have been created (dummy step) or replaced (load): find them again
+            # and send the loaded values out.
+            off.refresh()
+            off.discovery_pending = False
+            self._announce()
+        off.start_copy_out()
+        if self._chunks(ChunkState.COPYING_OUT):
+            self.phase = Phase.FREEING
+
+    # ------------------------------------------------------------------------------------------
+    # Reporting
+    # ------------------------------------------------------------------------------------------
+    def _announce(self) -> None:
+        if self.announced or not self.state_bytes:
+            return
+        self.announced = True
+        logger.info("megatron-offload: %s", self.describe())
+
+    def describe(self) -> str:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        masters = sum(
+            st.nbytes
+            for off in self.offloaders
+            for st in off.discovery.tensors
+            if st.name.endswith((".master", ".master_param"))
+        )
+        pinning = sorted({off.host.pinning for off in self.offloaders if off.host is not None})
+        return (
+            f"rank {rank}: offloading {self.state_bytes / 2**30:.3f} GiB of optimizer state "
+            f"(masters {masters / 2**30:.3f} GiB, moments {(self.state_bytes - masters) / 2**30:.3f}"
+            f" GiB) from {len(self.offloaders)} optimizer(s) in "
+            f"{sum(len(o.chunks) for o in self.offloaders)} chunks; pinned host "
+            f"{self.pinned_bytes / 2**30:.3f} GiB ({', '.join(pinning) or 'none'})"
+        )
+
+    def harvest(self) -> TransferTotals:
+        return self.streams.stats.harvest()
+
+    def close(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        for off in self.offloaders:
+            off.close()
+
+
+def pacing_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The modules whose forward pre-hooks pace freeing: every element of a `layers` ModuleList
+    (Megatron's TransformerBlock / MambaStack), then the output layer. Falls back to the model's
+    direct children when it has no such list."""
+    found: List[torch.nn.Module] = []
+    output_layers: List[torch.nn.Module] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] == "layers":
+            found.extend(module)
+        elif name.split(".")[-1] == "output_layer":
+            output_layers.append(module)
+    if not found:
+        found = list(model.children())
+    return found + output_layers
+
+
+def _first_grad_tensor(output) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            t = _first_grad_tensor(item)
+            if t is not None:
+                return t
+    return None

@@ -1,0 +1,356 @@
+"""Every contact point with Megatron-LM's training loop, in one place.
+
+`install()` wraps, by module attribute (Megatron looks them up at call time), these functions of an
+unmodified megatron-core 0.19 installation:
+
+  megatron.training.arguments.add_megatron_arguments  -> adds our flags (or steps aside when the
+                                                          running Megatron defines them itself)
+  megatron.training.arguments.validate_args           -> our checks, before any GPU allocation
+  megatron.training.training.setup_model_and_optimizer -> attaches the offloaders and layer hooks
+  megatron.training.training.finalize_model_grads     -> fallback reload trigger
+  megatron.training.training.training_log             -> transfer statistics each log interval
+  megatron.core.pipeline_parallel.schedules.forward_step / backward_step -> iteration pacing
+  megatron.core.datasets.utils.compile_helpers        -> skip `make` when the wheel's prebuilt
+                                                          helpers import (the wheel has no Makefile)
+
+and, per optimizer instance, the top-level `optimizer.step` (to see skipped steps) and each
+DistributedOptimizer's checkpoint/reload methods (state must be resident while they run).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from . import validation
+from .coordinator import DEFAULT_MARGIN_BYTES, OffloadCoordinator
+from .offloader import DEFAULT_CHUNK_BYTES
+
+logger = logging.getLogger(__name__)
+
+# DistributedOptimizer methods that read the state: it must be resident while they run.
+STATE_READERS = (
+    "state_dict",
+    "save_parameter_state",
+    "get_parameter_state_dp_zero",
+    "get_parameter_state_dp_reshardable",
+)
+# Methods that write or replace it: resident, then re-discovered and sent out again afterwards.
+STATE_WRITERS = (
+    "load_state_dict",
+    "load_parameter_state",
+    "reload_model_params",
+    "offload_to_cpu",
+    "restore_from_cpu",
+)
+
+_installed = False
+_stepped_aside = False
+coordinator: Optional[OffloadCoordinator] = None
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _print(msg: str, all_ranks: bool = False) -> None:
+    if all_ranks or _rank() == 0:
+        print(f"[megatron-offload] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+# ----------------------------------------------------------------------------------------------
+def add_arguments(parser):
+    """Add our flags to a Megatron parser, unless the running Megatron already defines them."""
+    global _stepped_aside
+    if "--offload-optimizer-states" in parser._option_string_actions:
+        _stepped_aside = True
+        _print(
+            "this Megatron already defines --offload-optimizer-states (a dev-branch build); "
+            "megatron-offload steps aside and leaves the flag to Megatron's own implementation."
+        )
+        return parser
+    group = parser.add_argument_group(title="megatron-offload")
+    group.add_argument(
+        "--offload-optimizer-states",
+        action="store_true",
+        help="Move the DistributedOptimizer's Adam moments and fp32 master weights to pinned CPU "
+        "memory between steps and bring them back, overlapped with compute, before the next "
+        "step. The Adam step stays on the GPU. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-chunk-size-mb",
+        type=int,
+        default=DEFAULT_CHUNK_BYTES // 2**20,
+        help="Granularity (MiB) at which offloaded state is freed during the forward and "
+        "reloaded during the last backward. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-memory-margin-mb",
+        type=int,
+        default=DEFAULT_MARGIN_BYTES // 2**20,
+        help="Safety margin (MiB) kept below the measured activation peak when deciding how "
+        "late state may stay on the GPU. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-no-timing",
+        action="store_true",
+        help="Do not record CUDA events around copies (no D2H/H2D timings in the log). "
+        "(megatron-offload)",
+    )
+    return parser
+
+
+def validate_args(args) -> None:
+    if _stepped_aside:
+        return
+    validation.validate(args)
+    if getattr(args, "offload_optimizer_states", False):
+        if args.offload_chunk_size_mb <= 0:
+            raise validation.OffloadArgumentError("--offload-chunk-size-mb must be positive")
+        if args.offload_memory_margin_mb < 0:
+            raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Attaching to the optimizer and model Megatron built
+# ----------------------------------------------------------------------------------------------
+def iter_distributed_optimizers(optimizer) -> Iterator:
+    """Every DistributedOptimizer inside a (possibly nested) ChainedOptimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if hasattr(optimizer, "chained_optimizers"):
+        for sub in optimizer.chained_optimizers:
+            yield from iter_distributed_optimizers(sub)
+    elif isinstance(optimizer, DistributedOptimizer):
+        yield optimizer
+    else:
+        raise validation.OffloadArgumentError(
+            f"--offload-optimizer-states found a {type(optimizer).__name__}, not a "
+            "DistributedOptimizer; add --use-distributed-optimizer."
+        )
+
+
+def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
+    def wrap(name: str, writes):
+        original = getattr(dist_opt, name, None)
+        if original is None:
+            return
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            modifies = writes(args, kwargs)
+            coord.before_state_access(off, will_modify=modifies)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                coord.after_state_access(off, modified=modifies)
+
+        setattr(dist_opt, name, wrapper)
+
+    for name in STATE_READERS:
+        wrap(name, lambda a, k: False)
+    for name in STATE_WRITERS:
+        wrap(name, lambda a, k: True)
+    # sharded_state_dict(model_sharded_state_dict, is_loading=False, ...): a load template is
+    # filled in place by dist_checkpointing.load, so loading counts as a write.
+    wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
+
+
+def attach(model, optimizer, args) -> OffloadCoordinator:
+    """Create the coordinator for this process and hook it to Megatron's optimizer and model."""
+    global coordinator
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    coord = OffloadCoordinator(
+        chunk_bytes=args.offload_chunk_size_mb * 2**20,
+        margin_bytes=args.offload_memory_margin_mb * 2**20,
+        expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
+        timing=not args.offload_no_timing,
+    )
+    for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
+        off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
+        _wrap_state_access(coord, off, dist_opt)
+        if not getattr(dist_opt, "is_stub_optimizer", False) and len(dist_opt.optimizer.state):
+            # Resumed from a checkpoint: the state exists already; send it out now so the first
+            # forward can free it.
+            coord.before_state_access(off, will_modify=True)
+            coord.after_state_access(off, modified=True)
+
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def step_and_notify(*a, **k):
+        try:
+            return step(*a, **k)
+        finally:
+            coord.optimizer_step_done()
+
+    optimizer.step = step_and_notify
+    hooked = coord.watch_model(model_chunks)
+    _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers")
+    if coord.state_bytes:
+        _print(coord.describe(), all_ranks=True)
+    coordinator = coord
+    return coord
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrappers installed on Megatron's modules
+# ----------------------------------------------------------------------------------------------
+def _enabled() -> bool:
+    return coordinator is not None
+
+
+def _wrap_add_megatron_arguments(original):
+    @functools.wraps(original)
+    def wrapper(parser):
+        return add_arguments(original(parser))
+
+    return wrapper
+
+
+def _wrap_validate_args(original):
+    @functools.wraps(original)
+    def wrapper(args, *a, **k):
+        # Ours first: the messages below explain the conflict better than a Megatron assert would.
+        validate_args(args)
+        return original(args, *a, **k)
+
+    return wrapper
+
+
+def _wrap_setup_model_and_optimizer(original):
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        from megatron.training.global_vars import get_args
+
+        model, optimizer, scheduler = original(*a, **k)
+        args = get_args()
+        if getattr(args, "offload_optimizer_states", False) and not _stepped_aside and optimizer is not None:
+            attach(model, optimizer, args)
+            from megatron.core.utils import get_model_config
+
+            config = get_model_config(model[0] if isinstance(model, list) else model)
+            if config.finalize_model_grads_func is not None:  # a builder installed its own
+                config.finalize_model_grads_func = _wrap_finalize(config.finalize_model_grads_func)
+        return model, optimizer, scheduler
+
+    return wrapper
+
+
+def _wrap_finalize(original):
+    if getattr(original, "_megatron_offload", False):
+        return original
+
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        if _enabled():
+            coordinator.grads_finalizing()
+        return original(*a, **k)
+
+    wrapper._megatron_offload = True
+    return wrapper
+
+
+def _wrap_forward_step(original):
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        if not _enabled():
+            return original(*a, **k)
+        model = k["model"] if "model" in k else a[2]
+        training = torch.is_grad_enabled() and getattr(model, "training", True)
+        coordinator.forward_begin(training)
+        out = original(*a, **k)
+        if training:
+            coordinator.forward_end()
+        return out
+
+    return wrapper
+
+
+def _wrap_backward_step(original):
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        if _enabled():
+            coordinator.backward_begin()
+        return original(*a, **k)
+
+    return wrapper
+
+
+def _wrap_training_log(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        result = original(*a, **k)
+        if _enabled():
+            from megatron.training.global_vars import get_args
+
+            iteration = signature.bind_partial(*a, **k).arguments.get("iteration")
+            interval = getattr(get_args(), "log_interval", 1) or 1
+            if iteration is not None and iteration % interval == 0:
+                t = coordinator.harvest()
+                _print(
+                    f"iteration {iteration}: d2h {t.d2h_bytes / 2**30:.2f} GiB in {t.d2h_ms:.1f} ms "
+                    f"({t.d2h_gbps:.1f} GB/s), h2d {t.h2d_bytes / 2**30:.2f} GiB in {t.h2d_ms:.1f} ms "
+                    f"({t.h2d_gbps:.1f} GB/s), exposed wait on compute: before free "
+                    f"{t.exposed_d2h_ms:.1f} ms, before step {t.exposed_h2d_ms:.1f} ms "
+                    f"(over the last {interval} iteration(s))"
+                )
+        return result
+
+    return wrapper
+
+
+def _wrap_compile_helpers(original):
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            return original(*a, **k)
+        # The pip wheel ships the compiled helper but no Makefile: `make` would fail and exit.
+        return None
+
+    return wrapper
+
+
+def _patch(module, name: str, make_wrapper) -> None:
+    original = getattr(module, name)
+    if getattr(original, "_megatron_offload", False):
+        return
+    wrapped = make_wrapper(original)
+    wrapped._megatron_offload = True
+    setattr(module, name, wrapped)
+
+
+def install() -> None:
+    """Wire megatron-offload into Megatron's training loop (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import megatron.core.datasets.utils as dataset_utils
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.training.arguments as arguments
+    import megatron.training.training as training
+
+    _patch(arguments, "add_megatron_arguments", _wrap_add_megatron_arguments)
+    _patch(arguments, "validate_args", _wrap_validate_args)
+    _patch(training, "setup_model_and_optimizer", _wrap_setup_model_and_optimizer)
+    _patch(training, "finalize_model_grads", _wrap_finalize)
+    _patch(training, "training_log", _wrap_training_log)
+    _patch(schedules, "forward_step", _wrap_forward_step)
+    _patch(schedules, "backward_step", _wrap_backward_step)
+    _patch(dataset_utils, "compile_helpers", _wrap_compile_helpers)
+    _installed = True
+    if os.environ.get("MEGATRON_OFFLOAD_VERBOSE"):
+        _print("installed")

@@ -1,0 +1,168 @@
+"""Copy streams shared by all offloaders of one device, and the timing of what runs on them.
+
+On a CPU "device" (the CPU unit tests) there are no streams: every copy is synchronous and every
+wait is a no-op, so the same offloader code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import List, Optional, Tuple
+
+import torch
+
+
+@dataclasses.dataclass
+class TransferTotals:
+    """What moved since the last `TransferStats.harvest()`; times in milliseconds."""
+
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    d2h_ms: float = 0.0
+    h2d_ms: float = 0.0
+    # Time the compute stream sat waiting for a copy: before freeing (d2h) or before the step (h2d).
+    exposed_d2h_ms: float = 0.0
+    exposed_h2d_ms: float = 0.0
+    # Accumulated over the whole run (never reset).
+    cumulative_d2h_bytes: int = 0
+    cumulative_h2d_bytes: int = 0
+
+    @staticmethod
+    def _gbps(nbytes: int, ms: float) -> float:
+        return nbytes / ms / 1e6 if ms > 0 else 0.0
+
+    @property
+    def d2h_gbps(self) -> float:
+        return self._gbps(self.d2h_bytes, self.d2h_ms)
+
+    @property
+    def h2d_gbps(self) -> float:
+        return self._gbps(self.h2d_bytes, self.h2d_ms)
+
+
+class TransferStats:
+    """Records CUDA events around copies and compute-stream waits; reads them only when asked."""
+
+    def __init__(self, timing: bool):
+        self.timing = timing
+        self._copies: List[Tuple[str, object, object, int]] = []
+        self._waits: List[Tuple[str, object, object]] = []
+        self._totals = TransferTotals()
+        self.cumulative_d2h_bytes = 0
+        self.cumulative_h2d_bytes = 0
+
+    def _event(self, stream) -> Optional[torch.cuda.Event]:
+        if not self.timing or stream is None:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def start_copy(self, stream, direction: str):
+        return (direction, self._event(stream))
+
+    def end_copy(self, timer, stream, nbytes: int) -> None:
+        direction, start = timer
+        if direction == "d2h":
+            self.cumulative_d2h_bytes += nbytes
+        else:
+            self.cumulative_h2d_bytes += nbytes
+        self._copies.append((direction, start, self._event(stream), nbytes))
+
+    @contextlib.contextmanager
+    def exposed_wait(self, compute_stream, label: str):
+        before = self._event(compute_stream)
+        yield
+        self._waits.append((label, before, self._event(compute_stream)))
+
+    def harvest(self) -> TransferTotals:
+        """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
+        totals = self._totals
+        still_copies = []
+        for direction, start, end, nbytes in self._copies:
+            if end is not None and not end.query():
+                still_copies.append((direction, start, end, nbytes))
+                continue
+            ms = start.elapsed_time(end) if start is not None else 0.0
+            if direction == "d2h":
+                totals.d2h_bytes += nbytes
+                totals.d2h_ms += ms
+            else:
+                totals.h2d_bytes += nbytes
+                totals.h2d_ms += ms
+        self._copies = still_copies
+        still_waits = []
+        for label, before, after in self._waits:
+            if after is not None and not after.query():
+                still_waits.append((label, before, after))
+                continue
+            ms = before.elapsed_time(after) if before is not None else 0.0
+            if label == "d2h":
+                totals.exposed_d2h_ms += ms
+            else:
+                totals.exposed_h2d_ms += ms
+        self._waits = still_waits
+        totals.cumulative_d2h_bytes = self.cumulative_d2h_bytes
+        totals.cumulative_h2d_bytes = self.cumulative_h2d_bytes
+        self._totals = TransferTotals()
+        return totals
+
+
+class CopyStreams:
+    """The compute stream, one D2H and one H2D stream (separate so both directions can overlap)."""
+
+    def __init__(self, device: torch.device, compute_stream=None, timing: bool = True):
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            self.compute = compute_stream or torch.cuda.current_stream(self.device)
+            # Created once for the life of the run: creating streams per step grows allocator pools.
+            self.d2h = torch.cuda.Stream(self.device)
+            self.h2d = torch.cuda.Stream(self.device)
+        else:
+            self.compute = self.d2h = self.h2d = None
+        self.stats = TransferStats(timing=timing and self.device.type == "cuda")
+
+    def _on(self, stream):
+        if stream is None:
+            return contextlib.nullcontext(None)
+        return _StreamContext(stream)
+
+    def on_compute(self):
+        return self._on(self.compute)
+
+    def on_d2h(self):
+        return self._on(self.d2h)
+
+    def on_h2d(self):
+        return self._on(self.h2d)
+
+    def record(self, stream) -> Optional[torch.cuda.Event]:
+        return None if stream is None else stream.record_event()
+
+    def d2h_wait_for_compute(self) -> None:
+        if self.d2h is not None:
+            self.d2h.wait_event(self.compute.record_event())
+
+    def h2d_wait_for_compute(self) -> None:
+        if self.h2d is not None:
+            self.h2d.wait_event(self.compute.record_event())
+
+    def compute_wait(self, event) -> None:
+        if event is not None and self.compute is not None:
+            self.compute.wait_event(event)
+
+
+class _StreamContext:
+    """`torch.cuda.stream(s)` that also yields the stream."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self._ctx = torch.cuda.stream(stream)
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)

@@ -1,0 +1,393 @@
+"""Bookkeeping of the offloader and coordinator against CPU stand-ins of DistributedOptimizer.
+
+On a CPU "device" copies are synchronous, but every transition (discovery, freeing with
+resize_(0), host buffer layout, reload, skipped steps, checkpoint access) runs the same code as on
+the GPU, and the results must match a run without offloading bit for bit.
+"""
+
+import pytest
+import torch
+
+from megatron_offload import (
+    ChunkState,
+    OffloadCoordinator,
+    Phase,
+    UnsupportedOptimizerStateError,
+    find_state_tensors,
+)
+from megatron_offload.host_buffer import ALIGNMENT, align_up
+
+from fakes import (
+    FakeDistOpt,
+    FakePrecisionAwareDistOpt,
+    assert_bitwise_equal,
+    make_grads,
+    snapshot,
+    storage_bytes,
+)
+
+CPU = torch.device("cpu")
+LAYERS = 4
+
+
+def make_coord(**kw):
+    kw.setdefault("chunk_bytes", 4096)
+    kw.setdefault("expected_forwards_per_iteration", lambda: 2)
+    return OffloadCoordinator(device=CPU, **kw)
+
+
+def one_iteration(opt, coord, step, skip=False, microbatches=2, check=None):
+    """Mirror of Megatron's train_step as the wiring reports it to the coordinator."""
+    for mb in range(microbatches):
+        if coord is not None:
+            coord.forward_begin(True)
+            for _ in range(LAYERS):
+                coord._on_layer_forward(None, ())
+            coord.forward_end()
+            if check is not None:
+                check("after_forward", mb)
+            coord.backward_begin()
+            for _ in range(LAYERS):
+                coord._on_layer_backward(None)
+    if coord is not None:
+        coord.grads_finalizing()
+    make_grads(opt.all_params(), step)
+    if not skip:
+        opt.step()
+    if coord is not None:
+        coord.optimizer_step_done()
+
+
+def offloaded_tensors(opt):
+    return [st.tensor for st in find_state_tensors(opt, CPU).tensors]
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: FakeDistOpt(),
+    lambda: FakePrecisionAwareDistOpt(),
+    lambda: FakePrecisionAwareDistOpt(store_param_remainders=True, moment_dtype=torch.bfloat16),
+], ids=["torch-adamw", "te-fusedadam-fp32-master", "te-fusedadam-int16-remainders-bf16-moments"])
+def test_training_bit_identical_and_state_freed(factory):
+    ref, opt = factory(), factory()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+
+    def check(where, mb):
+        # After every forward the state must be off the "GPU": storage freed, objects intact.
+        if coord.state_bytes:
+            assert coord.bytes_in(ChunkState.OFFLOADED) == coord.state_bytes
+            for st in off.discovery.tensors:
+                assert storage_bytes(st.tensor) == 0, st.name
+                assert st.tensor.numel() > 0  # shape and object survive
+        # Model weights are never freed.
+        for group in getattr(opt, "shard_fp32_groups", []):
+            for view in group:
+                assert storage_bytes(view) > 0
+        for group in getattr(opt, "shard_float16_groups", []):
+            for view in group:
+                assert storage_bytes(view) > 0
+
+    for step in range(6):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step, check=check)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    assert coord.state_bytes > 0
+    assert coord.phase is Phase.FREEING
+
+
+def test_discovery_selects_masters_and_moments_only():
+    opt = FakeDistOpt(fp32_numels=(7, 5), bf16_numels=(300, 1000))
+    # Before the first step only the fp32 masters exist (moments are created lazily).
+    assert [st.name for st in find_state_tensors(opt, CPU).tensors] == [
+        "group0.param2.master", "group0.param3.master"]
+    make_grads(opt.all_params(), 0)
+    opt.step()
+    names = [st.name for st in find_state_tensors(opt, CPU).tensors]
+    # fp32 shard params (views into the param buffer) never appear; their moments do.
+    assert names == [
+        "group0.param0.exp_avg", "group0.param0.exp_avg_sq",
+        "group0.param1.exp_avg", "group0.param1.exp_avg_sq",
+        "group0.param2.master", "group0.param2.exp_avg", "group0.param2.exp_avg_sq",
+        "group0.param3.master", "group0.param3.exp_avg", "group0.param3.exp_avg_sq",
+    ]
+    # torch AdamW's step counters stay where they are (CPU scalars, never moved).
+    for p in opt.all_params():
+        assert "step" in opt.optimizer.state[p]
+        assert all(st.tensor is not opt.optimizer.state[p]["step"] for st in find_state_tensors(opt, CPU).tensors)
+
+
+def test_host_buffer_exact_size_and_reused():
+    opt = FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    one_iteration(opt, coord, 0)
+    host = off.host
+    expected = sum(align_up(st.nbytes) for st in off.discovery.tensors)
+    assert host.nbytes == expected
+    assert host.nbytes - off.state_bytes < ALIGNMENT * len(off.discovery.tensors)
+    for step in range(1, 4):
+        one_iteration(opt, coord, step)
+    assert off.host is host  # allocated once, reused every step
+
+
+def test_lifecycle_order_and_bytes_moved():
+    opt = FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    one_iteration(opt, coord, 0)
+    assert coord.phase is Phase.FREEING
+    coord.events.clear()
+    one_iteration(opt, coord, 1)
+    ev = coord.events
+    # Without a memory model the window cannot reload anything: finalize is the fallback trigger.
+    order = [ev.index(name) for name in
+             ("forward_begin", "offloaded", "reload_window", "grads_finalizing", "reload_start",
+              "step_begin:optimizer", "copy_out:optimizer", "step_done")]
+    assert order == sorted(order), ev
+    stats = coord.streams.stats
+    assert stats.cumulative_d2h_bytes == 2 * coord.state_bytes
+    assert stats.cumulative_h2d_bytes == coord.state_bytes
+
+
+def test_skipped_step_reuses_host_copy_and_keeps_results():
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    for step in range(5):
+        skip = step in (2, 3)
+        one_iteration(ref, None, step, skip=skip)
+        d2h_before = coord.streams.stats.cumulative_d2h_bytes
+        one_iteration(opt, coord, step, skip=skip)
+        if skip:
+            # Nothing changed: the host copy is current, no D2H needed to send it out again.
+            assert coord.streams.stats.cumulative_d2h_bytes == d2h_before
+            assert f"skipped:optimizer" in coord.events
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    assert coord.phase is Phase.FREEING
+
+
+def test_skipped_first_steps_before_state_exists():
+    ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    for step in range(4):
+        one_iteration(ref, None, step, skip=step < 2)
+        one_iteration(opt, coord, step, skip=step < 2)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+def test_stub_optimizer_is_ignored():
+    class Stub:
+        optimizer = None
+        is_stub_optimizer = True
+
+    coord = make_coord()
+    off = coord.add_optimizer(Stub())
+    one_iteration(FakeDistOpt(), coord, 0)
+    assert off.chunks == [] and coord.state_bytes == 0
+
+
+def test_two_optimizers_share_streams_and_stay_exact():
+    refs = [FakeDistOpt(seed=1), FakeDistOpt(seed=2)]
+    opts = [FakeDistOpt(seed=1), FakeDistOpt(seed=2)]
+    coord = make_coord()
+    offs = [coord.add_optimizer(o, name=f"o{i}") for i, o in enumerate(opts)]
+    assert offs[0].streams is offs[1].streams
+
+    class Chain:
+        def __init__(self, members):
+            self.members = members
+
+        def all_params(self):
+            return [p for m in self.members for p in m.all_params()]
+
+        def step(self):
+            for m in self.members:
+                m.step()
+
+    for step in range(4):
+        one_iteration(Chain(refs), None, step)
+        one_iteration(Chain(opts), coord, step)
+        for r, o in zip(refs, opts):
+            assert_bitwise_equal(snapshot(r), snapshot(o))
+    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.state_bytes
+
+
+def test_checkpoint_read_while_offloaded_sees_current_values_without_new_d2h():
+    opt = FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    for step in range(2):
+        one_iteration(opt, coord, step)
+    expected = snapshot(opt)
+    coord.forward_begin(True)
+    coord.forward_end()  # everything freed, as in the middle of an iteration
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.state_bytes
+    d2h = coord.streams.stats.cumulative_d2h_bytes
+    coord.before_state_access(off, will_modify=False)
+    assert_bitwise_equal(expected, snapshot(opt))
+    coord.after_state_access(off, modified=False)
+    assert coord.streams.stats.cumulative_d2h_bytes == d2h
+    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.state_bytes
+
+
+def test_load_replacing_tensors_is_rediscovered():
+    opt = FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    for step in range(2):
+        one_iteration(opt, coord, step)
+    coord.before_state_access(off, will_modify=True)
+    # A load that replaces the state tensor objects (DistOpt / TE FusedAdam do this).
+    new_values = {}
+    for p in opt.all_params():
+        st = opt.optimizer.state[p]
+        st["exp_avg"] = torch.full_like(st["exp_avg"], 0.5)
+        new_values[id(p)] = st["exp_avg"]
+    coord.after_state_access(off, modified=True)
+    found = {id(st.tensor) for st in off.discovery.tensors}
+    assert all(id(t) in found for t in new_values.values())
+    # The loaded values survive a full offload/reload cycle.
+    coord.forward_begin(True)
+    coord.forward_end()
+    coord.grads_finalizing()
+    coord._before_inner_step(off)
+    for t in new_values.values():
+        assert torch.all(t == 0.5)
+
+
+def test_view_master_is_given_its_own_storage():
+    opt = FakeDistOpt(fp32_numels=(), bf16_numels=(8, 8))
+    big = torch.arange(32, dtype=torch.float32)
+    neighbour = big[16:]
+    master = opt.shard_fp32_from_float16_groups[0][0]
+    master.data = big[:8]  # a view, as one fp8 path produces
+    found = find_state_tensors(opt, CPU)
+    assert master.storage_offset() == 0 and storage_bytes(master) == 8 * 4
+    master.untyped_storage().resize_(0)
+    assert torch.equal(neighbour, torch.arange(16, 32, dtype=torch.float32))
+    assert len(found.tensors) == 2
+
+
+def test_fp8_moment_is_refused():
+    opt = FakeDistOpt(fp32_numels=(), bf16_numels=(8,))
+    p = opt.all_params()[0]
+    opt.optimizer.state[p]["exp_avg"] = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(UnsupportedOptimizerStateError, match="fp8"):
+        find_state_tensors(opt, CPU)
+
+
+def test_unknown_state_tensor_left_resident_and_reported():
+    opt = FakeDistOpt(fp32_numels=(), bf16_numels=(8,))
+    p = opt.all_params()[0]
+    opt.optimizer.state[p]["mystery"] = torch.zeros(8)
+    found = find_state_tensors(opt, CPU)
+    assert found.resident_other == ["group0.param0.mystery"]
+    assert all("mystery" not in st.name for st in found.tensors)
+
+
+class SimulatedMemory:
+    """An allocator model: base + activations + every state byte whose storage is allocated."""
+
+    def __init__(self, opt, base=100_000):
+        self.opt, self.base, self.act, self.max = opt, base, 0, 0
+
+    def state_bytes(self):
+        seen, total = set(), 0
+        tensors = [t for g in self.opt.shard_fp32_from_float16_groups for t in g if t is not None]
+        for st in self.opt.optimizer.state.values():
+            tensors += [v for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"]
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += storage_bytes(t)
+        return total
+
+    def allocated(self):
+        value = self.base + self.act + self.state_bytes()
+        self.max = max(self.max, value)
+        return value
+
+    def max_allocated(self):
+        return self.max
+
+
+def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microbatches=2, trace=None):
+    for mb in range(microbatches):
+        if coord:
+            coord.forward_begin(True)
+        for h in range(LAYERS):
+            if coord:
+                coord._on_layer_forward(None, ())
+                if trace is not None and mb == 0:
+                    trace.append(coord.bytes_in(ChunkState.COPYING_OUT, ChunkState.RESIDENT))
+            mem.act += layer_bytes
+            mem.allocated()
+        mem.act += logits_bytes
+        mem.allocated()
+        if coord:
+            coord.forward_end()
+            coord.backward_begin()
+        mem.act -= logits_bytes
+        mem.allocated()
+        for h in range(LAYERS):
+            if coord:
+                coord._on_layer_backward(None)
+            mem.act -= layer_bytes
+            mem.allocated()
+    if coord:
+        coord.grads_finalizing()
+    make_grads(opt.all_params(), step)
+    opt.step()
+    mem.allocated()
+    if coord:
+        coord.optimizer_step_done()
+
+
+def test_memory_budget_frees_late_and_takes_state_off_the_peak():
+    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
+                       max_memory_allocated=mem.max_allocated)
+    coord.add_optimizer(opt)
+    for step in range(2):
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+    state = coord.state_bytes
+    assert state > 0
+    ref_mem.max = mem.max = 0
+    for step in range(2, 5):
+        trace = []
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=trace)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        # Freed as late as the budget allows: all state still resident for the first layers ...
+        assert trace[0] == state and trace[1] == state, trace
+        # ... and all of it gone by the last layer, before the activation peak.
+        assert trace[-1] == 0, trace
+    act_peak = LAYERS * layer_bytes + logits_bytes
+    assert ref_mem.max >= ref_mem.base + act_peak + state
+    # The whole state is off the peak (the margin is the only slack allowed).
+    assert mem.max <= ref_mem.max - state + margin, (mem.max, ref_mem.max, state)
+
+
+def test_reload_starts_in_last_backward_within_budget():
+    layer_bytes, logits_bytes = 40_000, 30_000
+    opt = FakeDistOpt()
+    mem = SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated,
+                       max_memory_allocated=mem.max_allocated)
+    coord.add_optimizer(opt)
+    for step in range(2):
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+    coord.events.clear()
+    simulated_iteration(opt, coord, mem, 2, layer_bytes, logits_bytes)
+    ev = coord.events
+    order = [ev.index(name) for name in
+             ("forward_begin", "offloaded", "reload_window", "reload_start", "grads_finalizing",
+              "step_begin:optimizer", "copy_out:optimizer", "step_done")]
+    assert order == sorted(order), ev
+    # Nothing reloaded during the first microbatch's backward (another forward follows it).
+    assert ev.index("reload_window") > ev.index("forward_begin")
