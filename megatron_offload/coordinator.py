@@ -104,7 +104,6 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     def add_optimizer(self, dist_opt, name: str = "optimizer") -> OptimizerStateOffloader:
         off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name)
-        off.discovery_pending = True
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)
         if inner is not None and not getattr(dist_opt, "is_stub_optimizer", False):
@@ -285,10 +284,9 @@ class OffloadCoordinator:
     def _after_inner_step(self, off: OptimizerStateOffloader) -> None:
         if self._suspended:
             return
-        if off.discovery_pending:
+        if off.needs_refresh:
             # The first step created the moments lazily; they exist only now.
             off.refresh()
-            off.discovery_pending = False
             self._announce()
         off.start_copy_out()
         self._trace(f"copy_out:{off.name}")
@@ -317,13 +315,19 @@ class OffloadCoordinator:
         self._suspended += 1
         off.make_resident(will_modify=will_modify)
 
+    def offload_existing_state(self) -> None:
+        """Send out whatever state exists already (fp32 masters are created with the optimizer,
+        moments too when resuming), so that even the first forward runs without it."""
+        for off in self.offloaders:
+            self.before_state_access(off, will_modify=True)
+            self.after_state_access(off, modified=True)
+
     def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
         self._suspended -= 1
         if modified:
             # Tensors may have been created (dummy step) or replaced (load): find them again
             # and send the loaded values out.
             off.refresh()
-            off.discovery_pending = False
             self._announce()
         off.start_copy_out()
         if self._chunks(ChunkState.COPYING_OUT):

@@ -178,11 +178,9 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
         _wrap_state_access(coord, off, dist_opt)
-        if not getattr(dist_opt, "is_stub_optimizer", False) and len(dist_opt.optimizer.state):
-            # Resumed from a checkpoint: the state exists already; send it out now so the first
-            # forward can free it.
-            coord.before_state_access(off, will_modify=True)
-            coord.after_state_access(off, modified=True)
+    # The fp32 masters exist since the optimizer was built (the moments too after a resume):
+    # send them out now so that the very first forward already runs without them.
+    coord.offload_existing_state()
 
     step = optimizer.step
 

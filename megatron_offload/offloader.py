@@ -92,6 +92,20 @@ class OptimizerStateOffloader:
         # anything may write the GPU state: the inner step, a checkpoint load).
         self.host_valid = False
         self.stats = streams.stats
+        self._signature = None
+
+    def state_signature(self):
+        """Cheap fingerprint of the inner optimizer's state layout: changes when the first step
+        creates the moments lazily, or when a load replaces the state dicts."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        if inner is None or getattr(self.dist_opt, "is_stub_optimizer", False):
+            return None
+        return (len(inner.state), sum(len(v) for v in inner.state.values()),
+                tuple(id(v) for v in list(inner.state.values())[:1]))
+
+    @property
+    def needs_refresh(self) -> bool:
+        return self.state_signature() != self._signature
 
     # ----------------------------------------------------------------------------------------
     # Discovery
@@ -130,6 +144,7 @@ class OptimizerStateOffloader:
             ]
         self.chunks = chunks
         self.host_valid = False
+        self._signature = self.state_signature()
         if self.discovery.resident_other:
             logger.warning(
                 "megatron-offload: %s keeps unknown state tensors on the GPU: %s",

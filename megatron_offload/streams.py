@@ -122,6 +122,9 @@ class CopyStreams:
         else:
             self.compute = self.d2h = self.h2d = None
         self.stats = TransferStats(timing=timing and self.device.type == "cuda")
+        # Tests only: spin this many GPU cycles on a copy stream before each batch of copies, so
+        # that a missing cross-stream wait turns into wrong numbers instead of a lucky race.
+        self.debug_delay_cycles = 0
 
     def _on(self, stream):
         if stream is None:
@@ -140,13 +143,19 @@ class CopyStreams:
     def record(self, stream) -> Optional[torch.cuda.Event]:
         return None if stream is None else stream.record_event()
 
+    def _wait_for_compute(self, stream) -> None:
+        if stream is None:
+            return
+        stream.wait_event(self.compute.record_event())
+        if self.debug_delay_cycles:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(self.debug_delay_cycles)
+
     def d2h_wait_for_compute(self) -> None:
-        if self.d2h is not None:
-            self.d2h.wait_event(self.compute.record_event())
+        self._wait_for_compute(self.d2h)
 
     def h2d_wait_for_compute(self) -> None:
-        if self.h2d is not None:
-            self.h2d.wait_event(self.compute.record_event())
+        self._wait_for_compute(self.h2d)
 
     def compute_wait(self, event) -> None:
         if event is not None and self.compute is not None:

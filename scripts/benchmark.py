@@ -1,0 +1,90 @@
+"""Side-by-side benchmark: the same Megatron GPT run with and without megatron-offload, in one call.
+
+    python scripts/benchmark.py --preset r1 --nproc 2 --out /tmp/bench [--variants baseline,offload]
+
+Presets:
+  r1     the brief's reference run R1: GPT 24 layers, hidden 2048, 16 heads, seq 2048, vocab 32000
+         (~1.2 B params), micro-batch 2, global batch 16, bf16, DistributedOptimizer, DP = nproc.
+  small  4 layers, hidden 1024 (a quick smoke run).
+
+Each variant runs `--iters` iterations; the table reports, per variant, the median step time over
+iterations [--warmup, iters), peak allocated/reserved memory per rank, offloaded and pinned bytes,
+and whether the losses are bit-identical to the baseline. Ratios are against the baseline of the
+same call. Results are written to <out>/benchmark.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from megatron_runs import launch, model_args  # noqa: E402
+
+PRESETS = {
+    "r1": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=16),
+    "small": dict(layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16),
+}
+VARIANTS = {
+    "baseline": [],
+    "offload": ["--offload-optimizer-states"],
+    "recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"],
+    "recompute+offload": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "1", "--offload-optimizer-states"],
+}
+
+
+def summarize(run, warmup):
+    ranks = run["ranks"]
+    steps = [it["ms"] for it in ranks[0]["iterations"][warmup:]]
+    return {
+        "median_ms": statistics.median(steps),
+        "max_allocated_gib": [r["iterations"][-1]["max_allocated"] / 2**30 for r in ranks],
+        "max_reserved_gib": [r["iterations"][-1]["max_reserved"] / 2**30 for r in ranks],
+        "offloaded_gib": [r.get("offloaded_bytes", 0) / 2**30 for r in ranks],
+        "pinned_gib": [r.get("pinned_bytes", 0) / 2**30 for r in ranks],
+        "losses": [it["loss"] for it in ranks[-1]["iterations"]],
+        "startup_and_run_s": run["seconds"],
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="r1", choices=sorted(PRESETS))
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--variants", default="baseline,offload")
+    p.add_argument("--out", default="/tmp/megatron_offload_bench")
+    p.add_argument("--extra", default="")
+    opts = p.parse_args(argv)
+    os.makedirs(opts.out, exist_ok=True)
+    base = model_args(opts.iters, **PRESETS[opts.preset]) + opts.extra.split()
+    results = {}
+    for name in opts.variants.split(","):
+        run = launch(name, base + VARIANTS[name], opts.nproc, opts.out)
+        results[name] = summarize(run, opts.warmup)
+        print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)
+    ref = results.get("baseline")
+    print(f"\npreset {opts.preset}, {opts.nproc} GPUs, iterations {opts.warmup + 1}-{opts.iters}, rank 0 unless noted")
+    print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | reserved saved GiB | "
+          "offloaded GiB | saved / offloaded | pinned GiB | losses == baseline |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
+        saved = (ref["max_reserved_gib"][0] - r["max_reserved_gib"][0]) if ref else float("nan")
+        frac = saved / r["offloaded_gib"][0] if r["offloaded_gib"][0] else float("nan")
+        same = (r["losses"] == ref["losses"]) if ref else None
+        r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
+        print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
+              f"{r['max_reserved_gib'][0]:.2f} | {saved:.2f} | {r['offloaded_gib'][0]:.2f} | {frac:.3f} | "
+              f"{r['pinned_gib'][0]:.2f} | {same} |")
+    with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
+        json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
+                   "args": base, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

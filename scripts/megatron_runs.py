@@ -1,0 +1,67 @@
+"""Launching Megatron GPT runs through torchrun and the megatron-offload launcher (shared by the
+functional tests, the benchmark and the demo). Each rank of a run writes a JSON record
+(scripts/pretrain_gpt_mock.py, MEGATRON_OFFLOAD_RECORD)."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAFE_ENV = {  # never let NCCL / PyTorch / NVSHMEM use NVLink multicast on shared machines
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+DETERMINISM_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+NO_FUSION = (
+    "--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm"
+).split()
+
+
+def model_args(iters, layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16):
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+        "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
+        "--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "3", "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16",
+        "--use-distributed-optimizer", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "32000", "--seed", "1234", "--log-interval", "5", "--eval-iters", "0",
+        "--eval-interval", "100000", "--ckpt-format", "torch_dist",
+        *NO_FUSION,
+    ]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600):
+    record = os.path.join(out, name)
+    shutil.rmtree(record, ignore_errors=True)
+    os.makedirs(record)
+    env = dict(os.environ, **SAFE_ENV, **DETERMINISM_ENV, MEGATRON_OFFLOAD_RECORD=record)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(free_port()), "-m", "megatron_offload", os.path.join(REPO, script), *args,
+    ]
+    start = time.time()
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
+    elapsed = time.time() - start
+    if proc.returncode != 0:
+        tail = open(os.path.join(out, f"{name}.log")).read()[-4000:]
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}) after {elapsed:.0f}s:\n{tail}")
+    ranks = [json.load(open(os.path.join(record, f"rank{r}.json"))) for r in range(nproc)]
+    return {"name": name, "ranks": ranks, "seconds": elapsed}
+
+

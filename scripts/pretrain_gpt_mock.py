@@ -1,0 +1,224 @@
+"""A GPT pretraining entry point shaped like Megatron-LM core_r0.19's pretrain_gpt.py, on mock data.
+
+It parses arguments with `parse_and_validate_args` and calls `pretrain(cfg_container, ...)`, exactly
+the two calls megatron-offload hooks in the upstream script; it knows nothing about offloading.
+Launch it through the plugin's launcher:
+
+    torchrun --nproc-per-node 2 -m megatron_offload scripts/pretrain_gpt_mock.py <megatron args>
+
+Only the pip wheel of megatron-core is needed (no Megatron-LM checkout, no dataset files).
+
+With MEGATRON_OFFLOAD_RECORD=<dir> set, every rank writes <dir>/rank<N>.json: the loss of every
+iteration (as exact float hex), per-iteration wall time, peak allocated/reserved memory and a
+SHA-256 digest of the final model parameters and optimizer state. Tests and benchmarks compare
+those files; the recording adds one device synchronisation per iteration.
+"""
+
+import hashlib
+import json
+import os
+import time
+from functools import partial
+
+import torch
+
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+from megatron.training import get_args, pretrain
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import is_first_or_last_pipeline_stage
+
+BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),
+              ("position_ids", torch.int64))
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """Tokens, labels, loss mask, (no) attention mask, position ids; TP rank 0 reads and broadcasts."""
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    args = get_args()
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        data = next(data_iterator)
+        batch = [data[key].to("cuda", dtype, non_blocking=True) for key, dtype in BATCH_KEYS]
+    else:
+        shape = (args.micro_batch_size, args.seq_length)
+        batch = [torch.empty(shape, dtype=dtype, device="cuda") for _, dtype in BATCH_KEYS]
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        for t in batch:
+            torch.distributed.broadcast(
+                t,
+                parallel_state.get_tensor_model_parallel_src_rank(),
+                group=parallel_state.get_tensor_model_parallel_group(),
+            )
+    tokens, labels, loss_mask, position_ids = batch
+    return tokens, labels, loss_mask, None, position_ids
+
+
+def loss_func(loss_mask, output_tensor):
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    vp_stage = getattr(model, "vp_stage", None)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None,
+        blend_per_split=None,
+        split="99,1,0",
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        mid_level_dataset_surplus=0.005,
+    )
+
+    def built_on_this_rank():
+        return is_first_or_last_pipeline_stage(vp_stage) and (
+            parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+
+    return BlendedMegatronDatasetBuilder(
+        MockGPTDataset, train_val_test_num_samples, built_on_this_rank, config
+    ).build()
+
+
+# ------------------------------------------------------------------------------------------------
+# Optional recording for tests and benchmarks (MEGATRON_OFFLOAD_RECORD=<dir>)
+# ------------------------------------------------------------------------------------------------
+class Recorder:
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.iterations = []
+        self.model = None
+        self.optimizer = None
+
+    def install(self):
+        import megatron.training.training as training
+
+        train_step, train = training.train_step, training.train
+
+        def recording_train_step(*a, **k):
+            start = time.perf_counter()
+            result = train_step(*a, **k)
+            torch.cuda.synchronize()
+            loss = result[0].get("lm loss") if isinstance(result[0], dict) else None
+            self.iterations.append(
+                {
+                    "ms": (time.perf_counter() - start) * 1e3,
+                    "loss": float(loss).hex() if loss is not None else None,
+                    "skipped": int(result[1]),
+                    "max_allocated": torch.cuda.max_memory_allocated(),
+                    "max_reserved": torch.cuda.max_memory_reserved(),
+                }
+            )
+            return result
+
+        def recording_train(forward_step_func, model, optimizer, *a, **k):
+            self.model, self.optimizer = model, optimizer
+            out = train(forward_step_func, model, optimizer, *a, **k)
+            self.write()
+            return out
+
+        training.train_step = recording_train_step
+        training.train = recording_train
+
+    def digest(self):
+        """SHA-256 over model params and every optimizer state tensor, in a fixed order."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        try:
+            from megatron_offload import megatron_wiring
+
+            coord = megatron_wiring.coordinator
+        except ImportError:
+            coord = None
+        if coord is not None:  # bring offloaded state back before reading it
+            for off in coord.offloaders:
+                coord.before_state_access(off, will_modify=False)
+        params, state = hashlib.sha256(), hashlib.sha256()
+        for chunk in self.model:
+            for name, p in chunk.named_parameters():
+                params.update(name.encode())
+                params.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+
+        def walk(opt):
+            if hasattr(opt, "chained_optimizers"):
+                for sub in opt.chained_optimizers:
+                    yield from walk(sub)
+            elif isinstance(opt, DistributedOptimizer) and not opt.is_stub_optimizer:
+                yield opt
+
+        for dist_opt in walk(self.optimizer):
+            inner = dist_opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    tensors = [p] + [v for k, v in sorted(inner.state.get(p, {}).items())
+                                     if isinstance(v, torch.Tensor)]
+                    for t in tensors:
+                        state.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        if coord is not None:
+            for off in coord.offloaders:
+                coord.after_state_access(off, modified=False)
+        return params.hexdigest(), state.hexdigest()
+
+    def write(self):
+        rank = torch.distributed.get_rank()
+        params_digest, state_digest = self.digest()
+        extra = {}
+        try:
+            from megatron_offload import megatron_wiring
+
+            coord = megatron_wiring.coordinator
+            if coord is not None:
+                extra = {
+                    "offloaded_bytes": coord.state_bytes,
+                    "pinned_bytes": coord.pinned_bytes,
+                    "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,
+                    "cumulative_h2d_bytes": coord.streams.stats.cumulative_h2d_bytes,
+                    "lifecycle_tail": coord.events[-12:],
+                }
+        except ImportError:
+            pass
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(
+                {
+                    "rank": rank,
+                    "iterations": self.iterations,
+                    "params_sha256": params_digest,
+                    "optimizer_state_sha256": state_digest,
+                    **extra,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    if os.environ.get("MEGATRON_OFFLOAD_RECORD"):
+        Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"]).install()
+    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    datasets_provider.is_distributed = True
+    pretrain(
+        pretrain_cfg_container_from_args(args, gpt_config_from_args(args)),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )

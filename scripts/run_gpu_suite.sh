@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one call (for a lent multi-GPU machine with no package index):
+#   1. install carried wheels from .whl/ (megatron-core) if present,
+#   2. GPU unit tests (pytest -m gpu, 1 GPU, real DistributedOptimizer),
+#   3. functional runs through torchrun (bit-exact losses/params, memory, checkpoint resume),
+#   4. optionally the side-by-side benchmark (BENCH=r1|small).
+# Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
+# *.json summaries and logs.tgz (every run log, no checkpoints).
+#
+#   STAGES="unit functional bench" BENCH=r1 bash scripts/run_gpu_suite.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+# Never let NCCL / PyTorch / NVSHMEM use NVLink multicast (shared machines).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/megatron_offload_gpu}
+WORK=${WORK:-/tmp/megatron_offload_work}
+STAGES=${STAGES:-"unit functional"}
+NPROC=${NPROC:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+mkdir -p "$OUT" "$WORK"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
+status=0
+for stage in $STAGES; do
+  case $stage in
+    unit)
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit 2>&1 | tee "$OUT/gpu_unit.log" || status=1 ;;
+    functional)
+      python3 tests/functional/run_functional.py --out "$WORK/functional" --nproc "$NPROC" \
+        ${FUNCTIONAL_ARGS:-} 2>&1 | tee "$OUT/functional.log" || status=1
+      cp "$WORK/functional/functional_summary.json" "$OUT/" 2>/dev/null ;;
+    bench)
+      python3 scripts/benchmark.py --preset "${BENCH:-r1}" --nproc "$NPROC" --out "$WORK/bench" \
+        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/benchmark.log" || status=1
+      cp "$WORK/bench/benchmark.json" "$OUT/" 2>/dev/null ;;
+  esac
+done
+tar czf "$OUT/logs.tgz" -C "$WORK" --exclude='ckpt_*' . 2>/dev/null
+exit $status
