@@ -61,6 +61,7 @@ class OffloadCoordinator:
         memory_allocated: Optional[Callable[[], int]] = None,
         max_memory_allocated: Optional[Callable[[], int]] = None,
         timing: bool = True,
+        announce: Optional[Callable[[str], None]] = None,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -97,7 +98,8 @@ class OffloadCoordinator:
         self.profile: List[int] = []
         self.profile_end: Optional[int] = None
         self.peak_growth: Optional[int] = None
-        self.announced = False
+        self._announce_fn = announce or (lambda msg: logger.info("megatron-offload: %s", msg))
+        self._announced_bytes = 0
 
     # ------------------------------------------------------------------------------------------
     # Registration
@@ -141,7 +143,13 @@ class OffloadCoordinator:
 
     @property
     def state_bytes(self) -> int:
+        """Optimizer-state bytes under management (what leaves the GPU)."""
         return sum(off.state_bytes for off in self.offloaders)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """GPU bytes of all chunk buffers (state plus alignment padding)."""
+        return self.bytes_in(*ChunkState)
 
     @property
     def pinned_bytes(self) -> int:
@@ -337,10 +345,11 @@ class OffloadCoordinator:
     # Reporting
     # ------------------------------------------------------------------------------------------
     def _announce(self) -> None:
-        if self.announced or not self.state_bytes:
-            return
-        self.announced = True
-        logger.info("megatron-offload: %s", self.describe())
+        """One line per rank whenever the amount under management changes (masters at start,
+        moments after the first step, new tensors after a load)."""
+        if self.state_bytes and self.state_bytes != self._announced_bytes:
+            self._announced_bytes = self.state_bytes
+            self._announce_fn(self.describe())
 
     def describe(self) -> str:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -13,7 +13,10 @@ Never offloaded:
   * any other state tensor we do not know (left resident, and reported).
 
 Nothing here is cached: state tensors are created lazily on the first step and replaced on load,
-so the offloader calls `find_state_tensors` again after every such event.
+so the offloader calls `find_state_tensors` again after every such event. Discovery never touches
+the tensors; the offloader then packs them into chunk buffers of its own (see offloader.py), so a
+state tensor that is a view of a larger storage (one fp8 path makes the master such a view) is
+copied out of it rather than freed with it.
 """
 
 from __future__ import annotations
@@ -61,15 +64,6 @@ def _on_device(t: object, device: torch.device) -> bool:
     return isinstance(t, torch.Tensor) and t.device == device
 
 
-def owns_whole_storage(t: torch.Tensor) -> bool:
-    """True when freeing `t`'s storage frees exactly `t` and nothing else."""
-    return (
-        t.storage_offset() == 0
-        and t.is_contiguous()
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
-
-
 def _check_exact(name: str, t: torch.Tensor) -> None:
     if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype not in EXACT_DTYPES:
         raise UnsupportedOptimizerStateError(
@@ -102,7 +96,7 @@ def find_state_tensors(dist_opt, device: Optional[torch.device] = None) -> Disco
     }
     found: List[StateTensor] = []
     others: List[str] = []
-    seen_storages = {}
+    seen = set()
     for gi, group in enumerate(inner.param_groups):
         for pi, p in enumerate(group["params"]):
             prefix = f"group{gi}.param{pi}"
@@ -118,17 +112,9 @@ def find_state_tensors(dist_opt, device: Optional[torch.device] = None) -> Disco
                 else:
                     others.append(f"{prefix}.{key}")
             for name, t in candidates:
-                if t.numel() == 0:
+                if t.numel() == 0 or id(t) in seen:
                     continue
+                seen.add(id(t))
                 _check_exact(name, t)
-                storage_ptr = t.untyped_storage().data_ptr()
-                if not owns_whole_storage(t) or storage_ptr in seen_storages:
-                    # A view (one fp8 path makes the master a slice of a larger tensor) or two
-                    # tensors sharing memory: freeing the storage would free its neighbours too.
-                    # Give it storage of its own; `.data` keeps the tensor object (and every
-                    # reference to it, e.g. model_param.main_param) the same.
-                    t.data = t.detach().clone()
-                    storage_ptr = t.untyped_storage().data_ptr()
-                seen_storages[storage_ptr] = name
                 found.append(StateTensor(name, t))
     return Discovery(found, others)

@@ -170,6 +170,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
 
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
     coord = OffloadCoordinator(
+        announce=lambda msg: _print(msg, all_ranks=True),
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
         margin_bytes=args.offload_memory_margin_mb * 2**20,
         expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
@@ -194,8 +195,6 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)
     _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers")
-    if coord.state_bytes:
-        _print(coord.describe(), all_ranks=True)
     coordinator = coord
     return coord
 
@@ -322,6 +321,40 @@ def _wrap_compile_helpers(original):
     return wrapper
 
 
+def _wrap_distopt_state_dict(original):
+    """Compatibility fix for megatron-core 0.19 without Apex/TE (torch AdamW fallback).
+
+    `DistributedOptimizer.state_dict()` asserts that exactly one per-param `step` exists. Loading a
+    torch_dist checkpoint calls it (through `sharded_state_dict(is_loading=True)`) on a fresh
+    optimizer whose state is still empty, so every resume fails, with or without offloading.
+    With an empty state we build the same common state dict with step 0: on load it is only a
+    template, the checkpoint's values replace it.
+    """
+
+    @functools.wraps(original)
+    def wrapper(self, *a, **k):
+        from megatron.core.optimizer import distrib_optimizer
+
+        inner = getattr(self, "optimizer", None)
+        if (
+            distrib_optimizer.HAVE_APEX_OR_TE
+            or inner is None
+            or any("step" in s for s in inner.state.values())
+            or getattr(self.ddp_config, "use_megatron_fsdp", False)
+        ):
+            return original(self, *a, **k)
+        inner_state_dict = inner.state_dict()
+        state_dict = {"optimizer": {k: v for k, v in inner_state_dict.items() if k != "state"}}
+        for group in state_dict["optimizer"]["param_groups"]:
+            del group["params"]
+            group["step"] = 0
+        if self.grad_scaler:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        return state_dict
+
+    return wrapper
+
+
 def _patch(module, name: str, make_wrapper) -> None:
     original = getattr(module, name)
     if getattr(original, "_megatron_offload", False):
@@ -349,6 +382,9 @@ def install() -> None:
     _patch(schedules, "forward_step", _wrap_forward_step)
     _patch(schedules, "backward_step", _wrap_backward_step)
     _patch(dataset_utils, "compile_helpers", _wrap_compile_helpers)
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _patch(DistributedOptimizer, "state_dict", _wrap_distopt_state_dict)
     _installed = True
     if os.environ.get("MEGATRON_OFFLOAD_VERBOSE"):
         _print("installed")

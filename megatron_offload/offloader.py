@@ -1,7 +1,11 @@
 """`OptimizerStateOffloader`: moves one DistributedOptimizer's state between GPU and pinned host memory.
 
-The state is split into chunks of about `chunk_bytes` (whole tensors, in parameter order). Each chunk
-moves through four states:
+The state is packed into chunks of about `chunk_bytes`: whole tensors, in parameter order, copied
+into one contiguous buffer per chunk and re-pointed there with `.data` (the tensor objects, and every
+reference to them, stay the same). Freeing a chunk frees one large block, which the caching
+allocator can hand to any activation up to that size; freeing many small per-tensor blocks instead
+leaves holes that large activations cannot use, and *reserved* memory barely drops. Each chunk moves
+through four states:
 
     RESIDENT ──start_copy_out()──▶ COPYING_OUT ──free()──▶ OFFLOADED ──start_copy_in()──▶ COPYING_IN
         ▲                              │ (GPU data still valid)                               │
@@ -10,9 +14,9 @@ moves through four states:
 * COPYING_OUT: a D2H copy is enqueued (or the host copy is already current); the GPU storage is
   still allocated and still correct, so readers between steps (checkpoint save, --log-params-norm)
   see resident data at no cost.
-* OFFLOADED: the GPU storage is freed with `untyped_storage().resize_(0)`: the tensor *objects*
-  (and every reference to them: `param.main_param`, the inner optimizer's param groups, `.grad`
-  assignment in `prepare_grads`) stay valid, only their bytes are gone.
+* OFFLOADED: the chunk buffer's storage is freed with `untyped_storage().resize_(0)`: the tensor
+  *objects* (views into it) and every reference to them (`param.main_param`, the inner optimizer's
+  param groups, `.grad` assignment in `prepare_grads`) stay valid, only their bytes are gone.
 * COPYING_IN: storage re-allocated on the compute stream and an H2D copy enqueued.
 
 The offloader only performs transitions; *when* to perform them (memory budget, overlap with
@@ -34,7 +38,9 @@ from .streams import CopyStreams, TransferStats
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 128 * 2**20
+DEFAULT_CHUNK_BYTES = 512 * 2**20
+# Tensors start on this boundary inside a chunk buffer (vectorised kernels want >= 16 bytes).
+TENSOR_ALIGNMENT = 256
 
 
 class ChunkState(enum.Enum):
@@ -45,18 +51,23 @@ class ChunkState(enum.Enum):
 
 
 class Chunk:
-    """Whole state tensors, adjacent in parameter order, moved and freed together."""
+    """Whole state tensors, adjacent in parameter order, packed into one buffer and moved together."""
 
-    def __init__(self, index: int, tensors: List[StateTensor], host_offsets: List[int]):
+    def __init__(self, index: int, tensors: List[StateTensor], offsets: List[int], nbytes: int):
         self.index = index
         self.tensors = tensors
-        self.host_offsets = host_offsets
-        self.host_views: List[torch.Tensor] = []
-        self.nbytes = sum(t.nbytes for t in tensors)
+        self.offsets = offsets  # of each tensor inside `buffer`
+        self.nbytes = nbytes  # buffer size, alignment padding included
+        self.buffer: Optional[torch.Tensor] = None  # uint8, on the device
+        self.host: Optional[torch.Tensor] = None  # uint8 view of the pinned host buffer
         self.state = ChunkState.RESIDENT
         # The copy that must finish before the GPU storage may be freed (COPYING_OUT) or read
         # (COPYING_IN). None when no copy is in flight.
         self.ready: Optional[torch.cuda.Event] = None
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
 
     def __repr__(self):
         return f"Chunk({self.index}, {self.nbytes} B, {self.state.value})"
@@ -115,33 +126,39 @@ class OptimizerStateOffloader:
         return self.streams.device
 
     def refresh(self) -> None:
-        """Re-discover the state tensors (after the first step or a load) and rebuild the chunks.
+        """Re-discover the state tensors (after the first step or a load) and pack them into chunks.
 
         Only legal when every chunk is RESIDENT: the tensors are then all allocated and current.
+        Costs one device copy of the state, once per discovery.
         """
         assert all(c.state is ChunkState.RESIDENT for c in self.chunks), self.chunks
         self.discovery = find_state_tensors(self.dist_opt, self.device)
-        chunks: List[Chunk] = []
-        current: List[StateTensor] = []
-        offsets: List[int] = []
-        host_bytes = 0
+        groups: List[List[StateTensor]] = [[]]
         for st in self.discovery.tensors:
-            current.append(st)
-            offsets.append(host_bytes)
-            host_bytes += align_up(st.nbytes)
-            if sum(t.nbytes for t in current) >= self.chunk_bytes:
-                chunks.append(Chunk(len(chunks), current, offsets))
-                current, offsets = [], []
-        if current:
-            chunks.append(Chunk(len(chunks), current, offsets))
+            if groups[-1] and sum(t.nbytes for t in groups[-1]) + st.nbytes > self.chunk_bytes:
+                groups.append([])
+            groups[-1].append(st)
+        chunks: List[Chunk] = []
+        for tensors in groups:
+            if not tensors:
+                continue
+            offsets, nbytes = [], 0
+            for st in tensors:
+                offsets.append(nbytes)
+                nbytes = align_up(nbytes + st.nbytes, TENSOR_ALIGNMENT)
+            chunks.append(Chunk(len(chunks), tensors, offsets, nbytes))
+        with self.streams.on_compute():
+            for chunk in chunks:
+                self._pack(chunk)
+        host_bytes = sum(c.nbytes for c in chunks)
         if self.host is None or self.host.nbytes != host_bytes:
             if self.host is not None:
                 self.host.close()
             self.host = PinnedHostBuffer(host_bytes, pin=self.device.type == "cuda")
+        base = 0
         for chunk in chunks:
-            chunk.host_views = [
-                self.host.view(off, st.tensor) for off, st in zip(chunk.host_offsets, chunk.tensors)
-            ]
+            chunk.host = self.host.view(base, chunk.buffer)
+            base += chunk.nbytes
         self.chunks = chunks
         self.host_valid = False
         self._signature = self.state_signature()
@@ -152,15 +169,31 @@ class OptimizerStateOffloader:
                 ", ".join(self.discovery.resident_other[:5]),
             )
 
+    @staticmethod
+    def _pack(chunk: Chunk) -> None:
+        """Copy the chunk's tensors into one new buffer and point them there."""
+        device = chunk.tensors[0].tensor.device
+        chunk.buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=device)
+        for st, offset in zip(chunk.tensors, chunk.offsets):
+            t = st.tensor
+            view = chunk.buffer[offset : offset + st.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t.detach())
+            # `.data` keeps the object (a Parameter stays a Parameter, every alias stays valid);
+            # the old storage is released once nothing else refers to it. A tensor that was a view
+            # into someone else's storage no longer is: freeing the chunk cannot touch neighbours.
+            t.data = view
+
     @property
     def state_bytes(self) -> int:
-        return sum(c.nbytes for c in self.chunks)
+        """Bytes of optimizer state this offloader moves (chunk padding excluded)."""
+        return sum(c.state_bytes for c in self.chunks)
 
     @property
     def pinned_bytes(self) -> int:
         return 0 if self.host is None else self.host.nbytes
 
     def bytes_in(self, *states: ChunkState) -> int:
+        """GPU bytes (chunk buffers, padding included) of the chunks in `states`."""
         return sum(c.nbytes for c in self.chunks if c.state in states)
 
     def chunks_in(self, *states: ChunkState) -> List[Chunk]:
@@ -190,8 +223,7 @@ class OptimizerStateOffloader:
             s.d2h_wait_for_compute()
             timer = s.stats.start_copy(stream, "d2h")
             for chunk in resident:
-                for st, host in zip(chunk.tensors, chunk.host_views):
-                    host.copy_(st.tensor.detach(), non_blocking=True)
+                chunk.host.copy_(chunk.buffer, non_blocking=True)
                 chunk.ready = s.record(stream)
                 chunk.state = ChunkState.COPYING_OUT
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in resident))
@@ -215,8 +247,8 @@ class OptimizerStateOffloader:
         freed = 0
         for chunk in chunks:
             assert chunk.state is ChunkState.COPYING_OUT, chunk
-            for st in chunk.tensors:
-                st.tensor.untyped_storage().resize_(0)
+            # Every state tensor of the chunk is a view of this storage.
+            chunk.buffer.untyped_storage().resize_(0)
             chunk.state = ChunkState.OFFLOADED
             chunk.ready = None
             freed += chunk.nbytes
@@ -233,16 +265,14 @@ class OptimizerStateOffloader:
             # our writes after them.
             for chunk in chunks:
                 assert chunk.state is ChunkState.OFFLOADED, chunk
-                for st in chunk.tensors:
-                    st.tensor.untyped_storage().resize_(st.nbytes)
+                chunk.buffer.untyped_storage().resize_(chunk.nbytes)
         with s.on_h2d() as stream:
             # Why: the new storage may be memory the compute stream freed a moment ago (on the
             # host) but whose last reader is still queued on the GPU.
             s.h2d_wait_for_compute()
             timer = s.stats.start_copy(stream, "h2d")
             for chunk in chunks:
-                for st, host in zip(chunk.tensors, chunk.host_views):
-                    st.tensor.detach().copy_(host, non_blocking=True)
+                chunk.buffer.copy_(chunk.host, non_blocking=True)
                 chunk.ready = s.record(stream)
                 chunk.state = ChunkState.COPYING_IN
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in chunks))

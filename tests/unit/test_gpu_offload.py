@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 from megatron_offload import ChunkState, OffloadCoordinator  # noqa: E402
 from megatron_offload.megatron_wiring import iter_distributed_optimizers  # noqa: E402
@@ -46,7 +47,7 @@ def distributed():
     parallel_state.destroy_model_parallel()
 
 
-def build(fp16=False, hidden=512, layers=4, initial_loss_scale=2.0**32, seed=1234):
+def build(fp16=False, hidden=512, layers=4, loss_scale=None, seed=1234):
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     config = TransformerConfig(
@@ -57,12 +58,12 @@ def build(fp16=False, hidden=512, layers=4, initial_loss_scale=2.0**32, seed=123
         hidden_dropout=0.0, attention_dropout=0.0,
     )
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ).cuda()
+    model = Float16Module(config, model)  # as Megatron's get_model does for bf16/fp16
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     model = DistributedDataParallel(config, ddp_config, model)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=1e-3, weight_decay=0.01, bf16=not fp16, fp16=fp16, clip_grad=1.0,
-        use_distributed_optimizer=True, initial_loss_scale=initial_loss_scale,
-        loss_scale_window=2, hysteresis=1,
+        use_distributed_optimizer=True, loss_scale=loss_scale,
     )
     optimizer = get_megatron_optimizer(opt_config, [model])
     config.finalize_model_grads_func = finalize_model_grads
@@ -77,7 +78,7 @@ def batch(step, microbatch):
     return tokens, labels, pos
 
 
-def train(model, optimizer, coord=None, steps=6, microbatches=2, on_forward_end=None):
+def train(model, optimizer, coord=None, steps=6, microbatches=2, on_forward_end=None, poison_steps=()):
     """A minimal Megatron-style loop reporting to the coordinator. Returns per-step losses."""
     losses, skipped = [], []
     for step in range(steps):
@@ -101,6 +102,8 @@ def train(model, optimizer, coord=None, steps=6, microbatches=2, on_forward_end=
         if coord:
             coord.grads_finalizing()
         finalize_model_grads([model])
+        if step in poison_steps:  # an overflow: the optimizer must skip this step
+            next(p for p in model.parameters() if p.requires_grad).main_grad.view(-1)[0] = float("inf")
         ok, _, _ = optimizer.step()
         if coord:
             coord.optimizer_step_done()
@@ -139,9 +142,9 @@ def attach(model, optimizer, delay_cycles=0, **kw):
     return coord
 
 
-def reference(**build_kw):
+def reference(poison_steps=(), **build_kw):
     model, optimizer = build(**build_kw)
-    losses, skipped = train(model, optimizer)
+    losses, skipped = train(model, optimizer, poison_steps=poison_steps)
     return losses, skipped, digest(model, optimizer)
 
 
@@ -155,7 +158,7 @@ def test_offload_bit_exact_and_state_freed():
     def check(step, mb):
         if step >= 1:
             off_bytes = coord.bytes_in(ChunkState.OFFLOADED)
-            freed_checks.append(off_bytes == coord.state_bytes)
+            freed_checks.append(off_bytes == coord.gpu_bytes)
             for off in coord.offloaders:
                 for st in off.discovery.tensors:
                     assert st.tensor.untyped_storage().nbytes() == 0, st.name
@@ -166,8 +169,8 @@ def test_offload_bit_exact_and_state_freed():
     assert losses == ref_losses
     assert digest(model, optimizer, coord) == ref_digest
     stats = coord.streams.stats
-    assert stats.cumulative_d2h_bytes >= 5 * coord.state_bytes
-    assert stats.cumulative_h2d_bytes >= 4 * coord.state_bytes
+    assert stats.cumulative_d2h_bytes >= 5 * coord.gpu_bytes
+    assert stats.cumulative_h2d_bytes >= 4 * coord.gpu_bytes
     # Pinned host memory: one exact-size registration, not a power-of-two block.
     assert coord.pinned_bytes <= 1.01 * coord.state_bytes + 64 * 1024
     assert all(off.host.pinning == "cudaHostRegister" for off in coord.offloaders)
@@ -181,11 +184,12 @@ def test_freed_memory_is_reusable_without_growing_reserved():
     torch.cuda.synchronize()
     coord.forward_begin(True)
     coord.forward_end()  # frees everything
-    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.state_bytes
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    # Activation-like allocations of the freed size must be served from the freed blocks.
-    blocks = [torch.empty(2 * 2**20, dtype=torch.uint8, device="cuda")
-              for _ in range(int(0.9 * coord.state_bytes) // (2 * 2**20))]
+    # Activation-like allocations (16 MiB each) of the freed size must be served from the
+    # freed chunk buffers, not from new cudaMalloc segments.
+    blocks = [torch.empty(16 * 2**20, dtype=torch.uint8, device="cuda")
+              for _ in range(int(0.9 * coord.state_bytes) // (16 * 2**20))]
     assert torch.cuda.memory_reserved() <= reserved + 0.05 * coord.state_bytes, (
         torch.cuda.memory_reserved() - reserved, coord.state_bytes)
     del blocks
@@ -206,15 +210,17 @@ def test_bit_exact_with_delays_injected_on_copy_streams():
 
 
 def test_skipped_steps_fp16_bit_exact():
-    ref_losses, ref_skipped, ref_digest = reference(fp16=True, initial_loss_scale=2.0**40)
-    assert any(ref_skipped), "the fp16 reference should skip its first steps (loss scale too high)"
-    model, optimizer = build(fp16=True, initial_loss_scale=2.0**40)
+    # fp16 with a constant loss scale: Megatron checks for inf/nan and skips the step.
+    poison = (0, 3, 4)  # before the state exists, then twice in a row once it does
+    ref_losses, ref_skipped, ref_digest = reference(poison_steps=poison, fp16=True, loss_scale=1.0)
+    assert ref_skipped == [s in poison for s in range(6)], ref_skipped
+    model, optimizer = build(fp16=True, loss_scale=1.0)
     coord = attach(model, optimizer)
-    losses, skipped = train(model, optimizer, coord)
+    losses, skipped = train(model, optimizer, coord, poison_steps=poison)
     assert skipped == ref_skipped
     assert losses == ref_losses
     assert digest(model, optimizer, coord) == ref_digest
-    assert any(e.startswith("skipped:") for e in coord.events) or not coord.state_bytes
+    assert any(e.startswith("skipped:") for e in coord.events)
     coord.close()
 
 

@@ -15,7 +15,7 @@ from megatron_offload import (
     UnsupportedOptimizerStateError,
     find_state_tensors,
 )
-from megatron_offload.host_buffer import ALIGNMENT, align_up
+from megatron_offload.offloader import TENSOR_ALIGNMENT
 
 from fakes import (
     FakeDistOpt,
@@ -75,7 +75,7 @@ def test_training_bit_identical_and_state_freed(factory):
     def check(where, mb):
         # After every forward the state must be off the "GPU": storage freed, objects intact.
         if coord.state_bytes:
-            assert coord.bytes_in(ChunkState.OFFLOADED) == coord.state_bytes
+            assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
             for st in off.discovery.tensors:
                 assert storage_bytes(st.tensor) == 0, st.name
                 assert st.tensor.numel() > 0  # shape and object survive
@@ -122,9 +122,8 @@ def test_host_buffer_exact_size_and_reused():
     off = coord.add_optimizer(opt)
     one_iteration(opt, coord, 0)
     host = off.host
-    expected = sum(align_up(st.nbytes) for st in off.discovery.tensors)
-    assert host.nbytes == expected
-    assert host.nbytes - off.state_bytes < ALIGNMENT * len(off.discovery.tensors)
+    assert host.nbytes == sum(c.nbytes for c in off.chunks) == coord.gpu_bytes
+    assert host.nbytes - off.state_bytes < TENSOR_ALIGNMENT * len(off.discovery.tensors)
     for step in range(1, 4):
         one_iteration(opt, coord, step)
     assert off.host is host  # allocated once, reused every step
@@ -145,8 +144,8 @@ def test_lifecycle_order_and_bytes_moved():
               "step_begin:optimizer", "copy_out:optimizer", "step_done")]
     assert order == sorted(order), ev
     stats = coord.streams.stats
-    assert stats.cumulative_d2h_bytes == 2 * coord.state_bytes
-    assert stats.cumulative_h2d_bytes == coord.state_bytes
+    assert stats.cumulative_d2h_bytes == 2 * coord.gpu_bytes
+    assert stats.cumulative_h2d_bytes == coord.gpu_bytes
 
 
 def test_skipped_step_reuses_host_copy_and_keeps_results():
@@ -210,7 +209,7 @@ def test_two_optimizers_share_streams_and_stay_exact():
         one_iteration(Chain(opts), coord, step)
         for r, o in zip(refs, opts):
             assert_bitwise_equal(snapshot(r), snapshot(o))
-    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.state_bytes
+    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.gpu_bytes
 
 
 def test_checkpoint_read_while_offloaded_sees_current_values_without_new_d2h():
@@ -222,13 +221,13 @@ def test_checkpoint_read_while_offloaded_sees_current_values_without_new_d2h():
     expected = snapshot(opt)
     coord.forward_begin(True)
     coord.forward_end()  # everything freed, as in the middle of an iteration
-    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.state_bytes
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
     d2h = coord.streams.stats.cumulative_d2h_bytes
     coord.before_state_access(off, will_modify=False)
     assert_bitwise_equal(expected, snapshot(opt))
     coord.after_state_access(off, modified=False)
     assert coord.streams.stats.cumulative_d2h_bytes == d2h
-    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.state_bytes
+    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.gpu_bytes
 
 
 def test_load_replacing_tensors_is_rediscovered():
@@ -256,17 +255,24 @@ def test_load_replacing_tensors_is_rediscovered():
         assert torch.all(t == 0.5)
 
 
-def test_view_master_is_given_its_own_storage():
+def test_view_master_is_packed_out_of_foreign_storage():
     opt = FakeDistOpt(fp32_numels=(), bf16_numels=(8, 8))
     big = torch.arange(32, dtype=torch.float32)
     neighbour = big[16:]
     master = opt.shard_fp32_from_float16_groups[0][0]
-    master.data = big[:8]  # a view, as one fp8 path produces
-    found = find_state_tensors(opt, CPU)
-    assert master.storage_offset() == 0 and storage_bytes(master) == 8 * 4
-    master.untyped_storage().resize_(0)
-    assert torch.equal(neighbour, torch.arange(16, 32, dtype=torch.float32))
-    assert len(found.tensors) == 2
+    master.data = big[:8]  # a view of a larger storage, as one fp8 path produces
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    assert master.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    assert torch.equal(master, torch.arange(8, dtype=torch.float32))
+    coord.forward_begin(True)
+    coord.forward_end()  # frees the chunk holding the master
+    assert storage_bytes(master) == 0
+    assert torch.equal(neighbour, torch.arange(16, 32, dtype=torch.float32))  # untouched
+    coord.grads_finalizing()
+    coord._before_inner_step(coord.offloaders[0])
+    assert torch.equal(master, torch.arange(8, dtype=torch.float32))
 
 
 def test_fp8_moment_is_refused():
@@ -364,7 +370,7 @@ def test_memory_budget_frees_late_and_takes_state_off_the_peak():
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=trace)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
         # Freed as late as the budget allows: all state still resident for the first layers ...
-        assert trace[0] == state and trace[1] == state, trace
+        assert trace[0] == coord.gpu_bytes and trace[1] == coord.gpu_bytes, trace
         # ... and all of it gone by the last layer, before the activation peak.
         assert trace[-1] == 0, trace
     act_peak = LAYERS * layer_bytes + logits_bytes
