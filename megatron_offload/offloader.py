@@ -150,6 +150,10 @@ class OptimizerStateOffloader:
         with self.streams.on_compute():
             for chunk in chunks:
                 self._pack(chunk)
+        if self.device.type == "cuda" and chunks:
+            # The tensors' old, per-tensor blocks are free now but cached as many small segments
+            # that large activations cannot use; give them back once (first step and loads only).
+            torch.cuda.empty_cache()
         host_bytes = sum(c.nbytes for c in chunks)
         if self.host is None or self.host.nbytes != host_bytes:
             if self.host is not None:
