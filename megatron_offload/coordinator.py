@@ -296,13 +296,20 @@ class OffloadCoordinator:
             # The first step created the moments lazily; they exist only now.
             off.refresh()
             self._announce()
-        off.start_copy_out()
-        self._trace(f"copy_out:{off.name}")
+        self._trace(f"step_end:{off.name}")
 
     def optimizer_step_done(self) -> None:
-        """After the whole (chained) optimizer step returned, whether it updated or skipped."""
+        """After the whole (chained) optimizer step returned, whether it updated or skipped.
+
+        The copy-out starts only here, after the parameter all-gather that follows the inner
+        step has been enqueued: on PCIe hosts the D2H and NCCL share the GPU's link, and the
+        all-gather is on the critical path while the copy-out has the whole next forward.
+        """
         for off in self.offloaders:
-            if id(off) not in self._stepped:
+            if id(off) in self._stepped:
+                off.start_copy_out()
+                self._trace(f"copy_out:{off.name}")
+            else:
                 # Skipped step (inf/nan, grad-norm threshold) or a stub: the reload may be in
                 # flight and the state unchanged. Make it whole and send it back out; the host
                 # copy is still current, so no D2H is needed.

@@ -355,6 +355,31 @@ def _wrap_distopt_state_dict(original):
     return wrapper
 
 
+def _wrap_distopt_load_state_dict(original):
+    """Compatibility fix for megatron-core 0.19 without Apex/TE (torch AdamW fallback).
+
+    On load, `DistributedOptimizer.load_state_dict` gives every parameter the *same* `step`
+    tensor. torch Adam(W) increments each param's step in place, so after a resume the shared
+    counter advances once per parameter per step and bias correction goes wrong from the first
+    resumed step on (with or without offloading). Give each parameter its own counter.
+    """
+
+    @functools.wraps(original)
+    def wrapper(self, *a, **k):
+        from megatron.core.optimizer import distrib_optimizer
+
+        result = original(self, *a, **k)
+        inner = getattr(self, "optimizer", None)
+        if not distrib_optimizer.HAVE_APEX_OR_TE and inner is not None:
+            for state in inner.state.values():
+                step = state.get("step")
+                if isinstance(step, torch.Tensor):
+                    state["step"] = step.clone()
+        return result
+
+    return wrapper
+
+
 def _patch(module, name: str, make_wrapper) -> None:
     original = getattr(module, name)
     if getattr(original, "_megatron_offload", False):
@@ -385,6 +410,7 @@ def install() -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     _patch(DistributedOptimizer, "state_dict", _wrap_distopt_state_dict)
+    _patch(DistributedOptimizer, "load_state_dict", _wrap_distopt_load_state_dict)
     _installed = True
     if os.environ.get("MEGATRON_OFFLOAD_VERBOSE"):
         _print("installed")

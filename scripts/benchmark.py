@@ -29,6 +29,7 @@ PRESETS = {
 VARIANTS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],
+    "offload-chunk64": ["--offload-optimizer-states", "--offload-chunk-size-mb", "64"],
     "recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"],
     "recompute+offload": ["--recompute-granularity", "full", "--recompute-method", "uniform",
