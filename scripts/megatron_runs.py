@@ -44,11 +44,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600):
+def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600, env_extra=None):
     record = os.path.join(out, name)
     shutil.rmtree(record, ignore_errors=True)
     os.makedirs(record)
-    env = dict(os.environ, **SAFE_ENV, **DETERMINISM_ENV, MEGATRON_OFFLOAD_RECORD=record)
+    env = dict(os.environ, **SAFE_ENV, **DETERMINISM_ENV, MEGATRON_OFFLOAD_RECORD=record, **(env_extra or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -108,15 +108,34 @@ class Recorder:
         self.iterations = []
         self.model = None
         self.optimizer = None
+        self.state_at = None
 
     def install(self):
         import megatron.training.training as training
 
         train_step, train = training.train_step, training.train
 
+        profile_iters = {int(x) for x in os.environ.get("MEGATRON_OFFLOAD_PROFILE_ITERS", "").split(",") if x}
+        state_at = os.environ.get("MEGATRON_OFFLOAD_STATE_DIGEST_AT")
+
         def recording_train_step(*a, **k):
+            iteration = k.get("iteration")
+            if state_at is not None and iteration == int(state_at):
+                self.state_at = {"iteration": iteration, **self.component_digests(a[3])}
+            profiler = None
+            if iteration in profile_iters and torch.distributed.get_rank() == 0:
+                profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+                profiler.__enter__()
             start = time.perf_counter()
             result = train_step(*a, **k)
+            if profiler is not None:
+                torch.cuda.synchronize()
+                profiler.__exit__(None, None, None)
+                with open(os.path.join(self.out_dir, f"profile_iter{iteration}.txt"), "w") as f:
+                    f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+                    f.write("\n")
+                    f.write(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
             # The compute stream only: a device-wide sync would also wait for megatron-offload's
             # copy-out, which by design overlaps the next iteration's forward.
             torch.cuda.current_stream().synchronize()
@@ -140,6 +159,34 @@ class Recorder:
 
         training.train_step = recording_train_step
         training.train = recording_train
+
+    def component_digests(self, optimizer):
+        """Per-component SHA-256 of the optimizer state plus its scalar hyperparameters."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        def walk(opt):
+            if hasattr(opt, "chained_optimizers"):
+                for sub in opt.chained_optimizers:
+                    yield from walk(sub)
+            elif isinstance(opt, DistributedOptimizer) and not opt.is_stub_optimizer:
+                yield opt
+
+        out = {}
+        for i, dist_opt in enumerate(walk(optimizer)):
+            inner = dist_opt.optimizer
+            digests = {}
+            for gi, group in enumerate(inner.param_groups):
+                out[f"opt{i}.group{gi}"] = {k: (v if isinstance(v, (int, float, str, bool, type(None), tuple)) else str(v))
+                                            for k, v in group.items() if k != "params"}
+                for p in group["params"]:
+                    items = [("param", p)] + sorted(inner.state.get(p, {}).items())
+                    for key, t in items:
+                        if isinstance(t, torch.Tensor):
+                            h = digests.setdefault(key, hashlib.sha256())
+                            h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+            for key, h in digests.items():
+                out[f"opt{i}.{key}"] = h.hexdigest()
+        return out
 
     def digest(self):
         """SHA-256 over model params and every optimizer state tensor, in a fixed order."""
@@ -206,6 +253,7 @@ class Recorder:
                     "iterations": self.iterations,
                     "params_sha256": params_digest,
                     "optimizer_state_sha256": state_digest,
+                    "state_at": self.state_at,
                     **extra,
                 },
                 f,
