@@ -358,10 +358,14 @@ def _wrap_distopt_state_dict(original):
 def _wrap_distopt_load_state_dict(original):
     """Compatibility fix for megatron-core 0.19 without Apex/TE (torch AdamW fallback).
 
-    On load, `DistributedOptimizer.load_state_dict` gives every parameter the *same* `step`
-    tensor. torch Adam(W) increments each param's step in place, so after a resume the shared
-    counter advances once per parameter per step and bias correction goes wrong from the first
-    resumed step on (with or without offloading). Give each parameter its own counter.
+    Loading a torch_dist checkpoint first loads a template (`sharded_state_dict(is_loading=True)`
+    calls `load_state_dict(self.state_dict())`), which creates per-parameter `step` tensors, and
+    the real load then leaves those at the template's value while the correct step only reaches
+    the param groups: measured on 2 x H200, every parameter resumed with step 0 instead of 10,
+    so Adam's bias correction restarts and the resumed run diverges from the uninterrupted one
+    (with or without offloading). The original code also gives all parameters one shared step
+    tensor, which torch Adam would increment once per parameter. After every load we set each
+    parameter's step, as its own tensor, from its param group.
     """
 
     @functools.wraps(original)
@@ -371,10 +375,13 @@ def _wrap_distopt_load_state_dict(original):
         result = original(self, *a, **k)
         inner = getattr(self, "optimizer", None)
         if not distrib_optimizer.HAVE_APEX_OR_TE and inner is not None:
-            for state in inner.state.values():
-                step = state.get("step")
-                if isinstance(step, torch.Tensor):
-                    state["step"] = step.clone()
+            for group in inner.param_groups:
+                if "step" not in group:
+                    continue
+                for p in group["params"]:
+                    state = inner.state.get(p)
+                    if state and isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
         return result
 
     return wrapper
