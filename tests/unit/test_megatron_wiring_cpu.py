@@ -1,0 +1,156 @@
+"""The Megatron wiring on CPU, against the installed megatron-core 0.19 (arguments, validation,
+step-aside, the pip wheel's missing Makefile, the launcher, the source patch)."""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+megatron = pytest.importorskip("megatron.training.arguments")
+
+import megatron_offload  # noqa: E402
+from megatron_offload import OffloadArgumentError, megatron_wiring  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATCH = os.path.join(REPO, "patches", "megatron-core-0.19-training-init.patch")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed():
+    megatron_offload.install()
+
+
+def parse(argv):
+    import megatron.training.arguments as arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    arguments.add_megatron_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_install_is_idempotent_and_wraps_by_module_attribute():
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.training.arguments as arguments
+    import megatron.training.training as training
+
+    before = arguments.add_megatron_arguments
+    megatron_offload.install()
+    assert arguments.add_megatron_arguments is before
+    for fn in (arguments.add_megatron_arguments, arguments.validate_args,
+               training.setup_model_and_optimizer, training.finalize_model_grads,
+               schedules.forward_step, schedules.backward_step):
+        assert getattr(fn, "_megatron_offload", False), fn
+
+
+def test_flags_registered_with_defaults():
+    a = parse([])
+    assert a.offload_optimizer_states is False
+    assert a.offload_chunk_size_mb == 512 and a.offload_memory_margin_mb == 64
+    a = parse(["--offload-optimizer-states", "--offload-chunk-size-mb", "64"])
+    assert a.offload_optimizer_states and a.offload_chunk_size_mb == 64
+
+
+def test_validate_args_rejects_before_megatron_validation():
+    import megatron.training.arguments as arguments
+
+    a = parse(["--offload-optimizer-states", "--optimizer-cpu-offload", "--use-distributed-optimizer"])
+    with pytest.raises(OffloadArgumentError, match="--optimizer-cpu-offload"):
+        arguments.validate_args(a)
+
+
+def test_bad_chunk_size_rejected():
+    import megatron.training.arguments as arguments
+
+    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-chunk-size-mb", "0"])
+    with pytest.raises(OffloadArgumentError, match="--offload-chunk-size-mb"):
+        arguments.validate_args(a)
+
+
+def test_steps_aside_when_megatron_defines_the_flag(monkeypatch, capsys):
+    monkeypatch.setattr(megatron_wiring, "_stepped_aside", False)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--offload-optimizer-states", action="store_true")  # a dev-branch Megatron
+    megatron_wiring.add_arguments(parser)
+    assert megatron_wiring._stepped_aside
+    assert "--offload-chunk-size-mb" not in parser._option_string_actions
+    assert "steps aside" in capsys.readouterr().out
+    # ...and then neither validates nor attaches.
+    megatron_wiring.validate_args(argparse.Namespace(offload_optimizer_states=True, optimizer_cpu_offload=True))
+
+
+def test_prebuilt_dataset_helpers_skip_make(monkeypatch):
+    import megatron.core.datasets.utils as dataset_utils
+
+    def no_make(*a, **k):
+        raise AssertionError("make must not run when helpers_cpp imports")
+
+    monkeypatch.setattr(subprocess, "run", no_make)
+    assert dataset_utils.compile_helpers() is None
+
+
+def test_non_distributed_optimizer_is_refused():
+    class Float16Optimizer:
+        pass
+
+    with pytest.raises(OffloadArgumentError, match="--use-distributed-optimizer"):
+        list(megatron_wiring.iter_distributed_optimizers(Float16Optimizer()))
+
+
+def _run_launcher(tmp_path, extra):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        from megatron.training.arguments import parse_and_validate_args
+        args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+        print("PARSED offload_optimizer_states =", args.offload_optimizer_states, flush=True)
+    """))
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1",
+            "--lr", "1e-4", "--mock-data", "--vocab-size", "128", *extra]
+    env = dict(os.environ, WORLD_SIZE="1", RANK="0", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "megatron_offload", str(script), *argv],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_launcher_runs_unmodified_script_with_flag(tmp_path):
+    out = _run_launcher(tmp_path, ["--offload-optimizer-states", "--use-distributed-optimizer"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "PARSED offload_optimizer_states = True" in out.stdout
+
+
+def test_launcher_prints_rejection(tmp_path):
+    out = _run_launcher(tmp_path, ["--offload-optimizer-states", "--use-distributed-optimizer",
+                                   "--optimizer-cpu-offload"])
+    assert out.returncode != 0
+    assert "megatron-offload refuses this configuration" in out.stderr
+    assert "moves the Adam step itself to the CPU" in out.stderr
+
+
+def test_launcher_usage_without_script():
+    out = subprocess.run([sys.executable, "-m", "megatron_offload"], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 2 and "torchrun" in out.stdout
+
+
+def test_source_patch_applies_to_megatron_core_and_activates_the_plugin(tmp_path):
+    import megatron.training
+
+    # `megatron` is a namespace package: locate it through a regular subpackage.
+    src = os.path.dirname(os.path.dirname(os.path.abspath(megatron.training.__file__)))
+    shutil.copytree(src, tmp_path / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    check = subprocess.run(["git", "apply", "--check", PATCH], cwd=tmp_path, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    subprocess.run(["git", "apply", PATCH], cwd=tmp_path, check=True)
+    probe = textwrap.dedent("""
+        import megatron, megatron.training
+        import megatron.training.arguments as arguments
+        assert megatron.training.__file__.startswith(%r), megatron.training.__file__
+        assert getattr(arguments.add_megatron_arguments, "_megatron_offload", False)
+        print("ACTIVE")
+    """ % str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert "ACTIVE" in out.stdout, out.stderr[-3000:]
