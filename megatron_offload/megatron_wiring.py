@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 from typing import Iterator, Optional
 
 import torch
@@ -218,7 +219,13 @@ def _wrap_validate_args(original):
     @functools.wraps(original)
     def wrapper(args, *a, **k):
         # Ours first: the messages below explain the conflict better than a Megatron assert would.
-        validate_args(args)
+        # Like argparse: a clean message on stderr and exit status 2, not a traceback per rank.
+        try:
+            validate_args(args)
+        except validation.OffloadArgumentError as err:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from err
         return original(args, *a, **k)
 
     return wrapper
