@@ -62,12 +62,14 @@ class OffloadCoordinator:
         max_memory_allocated: Optional[Callable[[], int]] = None,
         timing: bool = True,
         announce: Optional[Callable[[str], None]] = None,
+        copy_piece_bytes: int = 0,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
         self.streams = CopyStreams(self.device, timing=timing)
         self.chunk_bytes = chunk_bytes
+        self.copy_piece_bytes = copy_piece_bytes
         self.margin_bytes = margin_bytes
         self.expected_forwards = expected_forwards_per_iteration
         is_cuda = self.device.type == "cuda"
@@ -105,7 +107,8 @@ class OffloadCoordinator:
     # Registration
     # ------------------------------------------------------------------------------------------
     def add_optimizer(self, dist_opt, name: str = "optimizer") -> OptimizerStateOffloader:
-        off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name)
+        off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name,
+                                      copy_piece_bytes=self.copy_piece_bytes)
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)
         if inner is not None and not getattr(dist_opt, "is_stub_optimizer", False):

@@ -100,6 +100,13 @@ def add_arguments(parser):
         "late state may stay on the GPU. (megatron-offload)",
     )
     group.add_argument(
+        "--offload-copy-piece-mb",
+        type=int,
+        default=0,
+        help="Split each chunk's D2H/H2D copy into pieces of this many MiB (0: one copy per "
+        "chunk). (megatron-offload)",
+    )
+    group.add_argument(
         "--offload-no-timing",
         action="store_true",
         help="Do not record CUDA events around copies (no D2H/H2D timings in the log). "
@@ -117,6 +124,8 @@ def validate_args(args) -> None:
             raise validation.OffloadArgumentError("--offload-chunk-size-mb must be positive")
         if args.offload_memory_margin_mb < 0:
             raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
+        if args.offload_copy_piece_mb < 0:
+            raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,6 +185,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         margin_bytes=args.offload_memory_margin_mb * 2**20,
         expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
         timing=not args.offload_no_timing,
+        copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")

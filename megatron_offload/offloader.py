@@ -83,6 +83,7 @@ class OptimizerStateOffloader:
             optimizers (dense + expert) queue their copies instead of fighting for the copy engine.
         chunk_bytes: granularity of freeing and reloading.
         name: for logs.
+        copy_piece_bytes: split each chunk's copy into pieces of this size (0: one copy per chunk).
     """
 
     def __init__(
@@ -91,10 +92,12 @@ class OptimizerStateOffloader:
         streams: CopyStreams,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         name: str = "optimizer",
+        copy_piece_bytes: int = 0,
     ):
         self.dist_opt = dist_opt
         self.streams = streams
         self.chunk_bytes = int(chunk_bytes)
+        self.copy_piece_bytes = int(copy_piece_bytes)
         self.name = name
         self.chunks: List[Chunk] = []
         self.host: Optional[PinnedHostBuffer] = None
@@ -227,11 +230,19 @@ class OptimizerStateOffloader:
             s.d2h_wait_for_compute()
             timer = s.stats.start_copy(stream, "d2h")
             for chunk in resident:
-                chunk.host.copy_(chunk.buffer, non_blocking=True)
+                self._copy_pieces(chunk.host, chunk.buffer)
                 chunk.ready = s.record(stream)
                 chunk.state = ChunkState.COPYING_OUT
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in resident))
         self.host_valid = True
+
+    def _copy_pieces(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One asynchronous copy per `copy_piece_bytes` (one per chunk by default). Smaller pieces
+        let other work interleave on GPUs whose streams share one hardware queue
+        (CUDA_DEVICE_MAX_CONNECTIONS=1); the bytes moved are the same."""
+        step = self.copy_piece_bytes or dst.numel()
+        for start in range(0, dst.numel(), step):
+            dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
 
     def free(self, chunks: List[Chunk]) -> int:
         """COPYING_OUT -> OFFLOADED: release the GPU storage of `chunks`. Returns bytes freed."""
@@ -276,7 +287,7 @@ class OptimizerStateOffloader:
             s.h2d_wait_for_compute()
             timer = s.stats.start_copy(stream, "h2d")
             for chunk in chunks:
-                chunk.buffer.copy_(chunk.host, non_blocking=True)
+                self._copy_pieces(chunk.buffer, chunk.host)
                 chunk.ready = s.record(stream)
                 chunk.state = ChunkState.COPYING_IN
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in chunks))

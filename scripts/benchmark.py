@@ -30,6 +30,7 @@ VARIANTS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],
     "offload-chunk64": ["--offload-optimizer-states", "--offload-chunk-size-mb", "64"],
+    "offload-piece32": ["--offload-optimizer-states", "--offload-copy-piece-mb", "32"],
     "recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"],
     "recompute+offload": ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -60,12 +61,15 @@ def main(argv=None):
     p.add_argument("--variants", default="baseline,offload")
     p.add_argument("--out", default="/tmp/megatron_offload_bench")
     p.add_argument("--extra", default="")
+    p.add_argument("--env", action="append", default=[],
+                   help="KEY=VALUE for every run, e.g. CUDA_DEVICE_MAX_CONNECTIONS=8 (default 1)")
     opts = p.parse_args(argv)
+    env_extra = dict(kv.split("=", 1) for kv in opts.env)
     os.makedirs(opts.out, exist_ok=True)
     base = model_args(opts.iters, **PRESETS[opts.preset]) + opts.extra.split()
     results = {}
     for name in opts.variants.split(","):
-        run = launch(name, base + VARIANTS[name], opts.nproc, opts.out)
+        run = launch(name, base + VARIANTS[name], opts.nproc, opts.out, env_extra=env_extra)
         results[name] = summarize(run, opts.warmup)
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)
     ref = results.get("baseline")
@@ -84,6 +88,7 @@ def main(argv=None):
               f"{r['pinned_gib'][0]:.2f} | {same} |")
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
         json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
+                   "env": env_extra,
                    "args": base, "results": results}, f, indent=1)
 
 

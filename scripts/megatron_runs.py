@@ -48,7 +48,11 @@ def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeou
     record = os.path.join(out, name)
     shutil.rmtree(record, ignore_errors=True)
     os.makedirs(record)
-    env = dict(os.environ, **SAFE_ENV, **DETERMINISM_ENV, MEGATRON_OFFLOAD_RECORD=record, **(env_extra or {}))
+    env = dict(os.environ)
+    env.update(DETERMINISM_ENV)
+    env.update(env_extra or {})
+    env.update(SAFE_ENV)  # last: never overridable
+    env["MEGATRON_OFFLOAD_RECORD"] = record
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -95,6 +95,16 @@ def test_training_bit_identical_and_state_freed(factory):
     assert coord.phase is Phase.FREEING
 
 
+def test_copies_split_into_pieces_stay_exact():
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord(chunk_bytes=16384, copy_piece_bytes=1000)  # pieces not aligned to tensors
+    coord.add_optimizer(opt)
+    for step in range(4):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
 def test_discovery_selects_masters_and_moments_only():
     opt = FakeDistOpt(fp32_numels=(7, 5), bf16_numels=(300, 1000))
     # Before the first step only the fp32 masters exist (moments are created lazily).
