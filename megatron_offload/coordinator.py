@@ -333,11 +333,14 @@ class OffloadCoordinator:
         self._suspended += 1
         off.make_resident(will_modify=will_modify)
 
-    def offload_existing_state(self) -> None:
-        """Send out whatever state exists already (fp32 masters are created with the optimizer,
-        moments too when resuming), so that even the first forward runs without it."""
+    def offload_existing_state(self, materialize: bool = True) -> None:
+        """Send out the state before the first forward: the fp32 masters (created with the
+        optimizer), the moments when resuming, and with `materialize` the moments that torch
+        Adam/AdamW would otherwise create lazily in the first step (identical zeros, step 0)."""
         for off in self.offloaders:
             self.before_state_access(off, will_modify=True)
+            if materialize:
+                off.materialize_state()
             self.after_state_access(off, modified=True)
 
     def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:

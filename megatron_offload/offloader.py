@@ -43,6 +43,11 @@ DEFAULT_CHUNK_BYTES = 512 * 2**20
 TENSOR_ALIGNMENT = 256
 
 
+def _scalar_dtype() -> torch.dtype:
+    """dtype torch Adam uses for a CPU `step` (torch.optim.optimizer._get_scalar_dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
 class ChunkState(enum.Enum):
     RESIDENT = "resident"
     COPYING_OUT = "copying_out"
@@ -150,13 +155,19 @@ class OptimizerStateOffloader:
                 offsets.append(nbytes)
                 nbytes = align_up(nbytes + st.nbytes, TENSOR_ALIGNMENT)
             chunks.append(Chunk(len(chunks), tensors, offsets, nbytes))
+        # Drop our references to the previous chunk buffers, so that each one is released as soon
+        # as its last tensor has been re-pointed into a new chunk.
+        for old in self.chunks:
+            old.buffer = old.host = None
         with self.streams.on_compute():
             for chunk in chunks:
                 self._pack(chunk)
-        if self.device.type == "cuda" and chunks:
-            # The tensors' old, per-tensor blocks are free now but cached as many small segments
-            # that large activations cannot use; give them back once (first step and loads only).
-            torch.cuda.empty_cache()
+                if self.device.type == "cuda":
+                    # The chunk's old storages are free now but cached as separate segments that
+                    # large activations (and the next chunk) cannot use. Returning them chunk by
+                    # chunk bounds the packing transient to one chunk instead of the whole state.
+                    # Runs once per discovery (start, first step, loads), never per step.
+                    torch.cuda.empty_cache()
         host_bytes = sum(c.nbytes for c in chunks)
         if self.host is None or self.host.nbytes != host_bytes:
             if self.host is not None:
@@ -175,6 +186,37 @@ class OptimizerStateOffloader:
                 self.name,
                 ", ".join(self.discovery.resident_other[:5]),
             )
+
+    def materialize_state(self) -> int:
+        """Create the Adam state that the first step would create lazily, exactly as torch
+        Adam/AdamW would (zero moments, step 0), so that it is packed and sent out before the
+        first forward instead of being allocated among step-1 activations and packed there.
+        Only for torch Adam/AdamW (TE/Apex keep their own lazy initialisation). Returns the number
+        of parameters given state."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        if (
+            inner is None
+            or getattr(self.dist_opt, "is_stub_optimizer", False)
+            or type(inner) not in (torch.optim.Adam, torch.optim.AdamW)
+        ):
+            return 0
+        created = 0
+        for group in inner.param_groups:
+            on_device = group.get("capturable", False) or group.get("fused", False)
+            for p in group["params"]:
+                if inner.state.get(p):
+                    continue
+                state = inner.state[p]
+                if on_device:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                else:
+                    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad", False):
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                created += 1
+        return created
 
     @staticmethod
     def _pack(chunk: Chunk) -> None:
