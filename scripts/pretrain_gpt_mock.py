@@ -102,6 +102,17 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 # ------------------------------------------------------------------------------------------------
 # Optional recording for tests and benchmarks (MEGATRON_OFFLOAD_RECORD=<dir>)
 # ------------------------------------------------------------------------------------------------
+def distributed_optimizers(opt):
+    """The non-stub DistributedOptimizers inside a (nested) ChainedOptimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if hasattr(opt, "chained_optimizers"):
+        for sub in opt.chained_optimizers:
+            yield from distributed_optimizers(sub)
+    elif isinstance(opt, DistributedOptimizer) and not opt.is_stub_optimizer:
+        yield opt
+
+
 class Recorder:
     def __init__(self, out_dir):
         self.out_dir = out_dir
@@ -162,17 +173,8 @@ class Recorder:
 
     def component_digests(self, optimizer):
         """Per-component SHA-256 of the optimizer state plus its scalar hyperparameters."""
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        def walk(opt):
-            if hasattr(opt, "chained_optimizers"):
-                for sub in opt.chained_optimizers:
-                    yield from walk(sub)
-            elif isinstance(opt, DistributedOptimizer) and not opt.is_stub_optimizer:
-                yield opt
-
         out = {}
-        for i, dist_opt in enumerate(walk(optimizer)):
+        for i, dist_opt in enumerate(distributed_optimizers(optimizer)):
             inner = dist_opt.optimizer
             digests = {}
             for gi, group in enumerate(inner.param_groups):
@@ -190,8 +192,6 @@ class Recorder:
 
     def digest(self):
         """SHA-256 over model params and every optimizer state tensor, in a fixed order."""
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
         try:
             from megatron_offload import megatron_wiring
 
@@ -207,14 +207,7 @@ class Recorder:
                 params.update(name.encode())
                 params.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
 
-        def walk(opt):
-            if hasattr(opt, "chained_optimizers"):
-                for sub in opt.chained_optimizers:
-                    yield from walk(sub)
-            elif isinstance(opt, DistributedOptimizer) and not opt.is_stub_optimizer:
-                yield opt
-
-        for dist_opt in walk(self.optimizer):
+        for dist_opt in distributed_optimizers(self.optimizer):
             inner = dist_opt.optimizer
             for group in inner.param_groups:
                 for p in group["params"]:
