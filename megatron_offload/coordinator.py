@@ -89,8 +89,9 @@ class OffloadCoordinator:
         self._train_forwards = 0
         self._stepped = set()  # ids of offloaders whose inner step ran this iteration
         self._sampling = False  # first training forward of the iteration: sample memory per layer
-        self._a0 = 0
+        self._a0: Optional[int] = None  # allocated at this iteration's first forward (if sampled)
         self._m0 = 0
+        self._freed_at_first_hook = False  # no profile yet: everything freed at the first hook
         self._freed_this_iter = 0
         self._layer_index = 0
         self._fwd_end_max = 0
@@ -210,9 +211,9 @@ class OffloadCoordinator:
         self._freed_this_iter = 0
         self._fwd_end_max = 0
         self._sampling = bool(self._chunks(ChunkState.COPYING_OUT)) or self.peak_growth is None
-        if self._sampling:
-            self._a0 = self._allocated()
-            self._m0 = self._max_allocated()
+        self._a0 = self._allocated() if self._sampling else None
+        self._m0 = self._max_allocated() if self._sampling else 0
+        self._freed_at_first_hook = self.peak_growth is None
         self._trace("forward_begin")
 
     def _growth(self) -> int:
@@ -278,11 +279,25 @@ class OffloadCoordinator:
         """All backwards are enqueued: reload whatever is still off (fallback trigger)."""
         self._trace("grads_finalizing")
         self._reload_up_to(None)
-        if self.peak_growth is None or self._max_allocated() > self._m0:
-            # A new peak this iteration: P = (peak allocated) - A0 + (state freed before it).
-            if self._a0:
-                observed = self._max_allocated() - self._a0 + self._freed_this_iter
-                self.peak_growth = max(self.peak_growth or 0, observed)
+        self._update_peak_growth()
+
+    def _update_peak_growth(self) -> None:
+        """P, the iteration's peak activation growth (module doc).
+
+        Measured exactly once, in the first sampled iteration, from the allocator's high-water
+        mark: that iteration freed everything at its first hook, so at the peak all state bytes
+        counted in `_freed_this_iter` were already off. The high-water mark only says something
+        when this iteration raised it (it also remembers start-up transients). Afterwards, and
+        when the mark did not move, P only grows from sampled growth values, which are exact where
+        they were taken and never overestimate.
+        """
+        if self._a0 is None:
+            return
+        sampled = max([self.profile_end or 0, *self.profile])
+        peak = self._max_allocated()
+        if self.peak_growth is None and self._freed_at_first_hook and peak > self._m0:
+            self.peak_growth = peak - self._a0 + self._freed_this_iter
+        self.peak_growth = max(self.peak_growth or 0, sampled)
 
     def _before_inner_step(self, off: OptimizerStateOffloader) -> None:
         if self._suspended:

@@ -431,3 +431,30 @@ def test_reload_starts_in_last_backward_within_budget():
     assert order == sorted(order), ev
     # Nothing reloaded during the first microbatch's backward (another forward follows it).
     assert ev.index("reload_window") > ev.index("forward_begin")
+
+
+def test_startup_transient_in_high_water_mark_does_not_inflate_the_budget():
+    """A start-up transient above the training peak (e.g. packing) leaves the allocator's
+    high-water mark useless for measuring P; the budget must then come from sampled growth,
+    and the state must still be off the activation peak."""
+    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    mem.max = 10**9  # transient far above anything training will reach
+    coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
+                       max_memory_allocated=mem.max_allocated)
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+    assert coord.peak_growth < 10**6
+    peaks = []
+    for step in range(2, 4):
+        mem.max = 0
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+        peaks.append(mem.max)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    act_peak = LAYERS * layer_bytes + logits_bytes
+    assert max(peaks) <= mem.base + act_peak + margin, (peaks, mem.base + act_peak)
