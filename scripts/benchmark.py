@@ -20,11 +20,16 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from megatron_runs import launch, model_args  # noqa: E402
+from megatron_runs import launch, model_args, run_peak  # noqa: E402
 
 PRESETS = {
     "r1": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=16),
     "small": dict(layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16),
+}
+# Environment modifiers, appended to a variant name with '@' (e.g. offload@conn8@expseg).
+MODIFIERS = {
+    "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
+    "expseg": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
 }
 VARIANTS = {
     "baseline": [],
@@ -43,8 +48,11 @@ def summarize(run, warmup):
     steps = [it["ms"] for it in ranks[0]["iterations"][warmup:]]
     return {
         "median_ms": statistics.median(steps),
-        "max_allocated_gib": [r["iterations"][-1]["max_allocated"] / 2**30 for r in ranks],
-        "max_reserved_gib": [r["iterations"][-1]["max_reserved"] / 2**30 for r in ranks],
+        # Whole run (start-up included), and steady state (iterations after warm-up).
+        "max_allocated_gib": [run_peak(r, "max_allocated") / 2**30 for r in ranks],
+        "max_reserved_gib": [run_peak(r) / 2**30 for r in ranks],
+        "steady_max_allocated_gib": [run_peak(r, "max_allocated", warmup) / 2**30 for r in ranks],
+        "steady_max_reserved_gib": [run_peak(r, "max_reserved", warmup) / 2**30 for r in ranks],
         "offloaded_gib": [r.get("offloaded_bytes", 0) / 2**30 for r in ranks],
         "pinned_gib": [r.get("pinned_bytes", 0) / 2**30 for r in ranks],
         "losses": [it["loss"] for it in ranks[-1]["iterations"]],
@@ -69,14 +77,18 @@ def main(argv=None):
     base = model_args(opts.iters, **PRESETS[opts.preset]) + opts.extra.split()
     results = {}
     for name in opts.variants.split(","):
-        run = launch(name, base + VARIANTS[name], opts.nproc, opts.out, env_extra=env_extra)
+        variant, *mods = name.split("@")
+        env = dict(env_extra)
+        for mod in mods:
+            env.update(MODIFIERS[mod])
+        run = launch(name, base + VARIANTS[variant], opts.nproc, opts.out, env_extra=env)
         results[name] = summarize(run, opts.warmup)
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)
     ref = results.get("baseline")
     print(f"\npreset {opts.preset}, {opts.nproc} GPUs, iterations {opts.warmup + 1}-{opts.iters}, rank 0 unless noted")
-    print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | reserved saved GiB | "
-          "offloaded GiB | saved / offloaded | pinned GiB | losses == baseline |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | steady max reserved GiB | "
+          "reserved saved GiB | offloaded GiB | saved / offloaded | pinned GiB | losses == baseline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
         saved = (ref["max_reserved_gib"][0] - r["max_reserved_gib"][0]) if ref else float("nan")
@@ -84,7 +96,8 @@ def main(argv=None):
         same = (r["losses"] == ref["losses"]) if ref else None
         r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
         print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
-              f"{r['max_reserved_gib'][0]:.2f} | {saved:.2f} | {r['offloaded_gib'][0]:.2f} | {frac:.3f} | "
+              f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
+              f"{r['offloaded_gib'][0]:.2f} | {frac:.3f} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
         json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,

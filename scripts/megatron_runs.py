@@ -69,3 +69,11 @@ def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeou
     return {"name": name, "ranks": ranks, "seconds": elapsed}
 
 
+
+
+def run_peak(rank_record, key="max_reserved", first=0):
+    """A rank's peak over iterations[first:] (plus the start-up peak when first == 0)."""
+    values = [it[key] for it in rank_record["iterations"][first:]]
+    if first == 0 and rank_record.get("startup_peak"):
+        values.append(rank_record["startup_peak"][key])
+    return max(values)

@@ -9,8 +9,9 @@ Launch it through the plugin's launcher:
 Only the pip wheel of megatron-core is needed (no Megatron-LM checkout, no dataset files).
 
 With MEGATRON_OFFLOAD_RECORD=<dir> set, every rank writes <dir>/rank<N>.json: the loss of every
-iteration (as exact float hex), per-iteration wall time, peak allocated/reserved memory and a
-SHA-256 digest of the final model parameters and optimizer state. Tests and benchmarks compare
+iteration (as exact float hex), per-iteration wall time, per-iteration peak allocated/reserved
+memory (peak stats are reset before each iteration; the peak before the first one is kept as
+`startup_peak`) and a SHA-256 digest of the final model parameters and optimizer state. Tests and benchmarks compare
 those files; the recording adds one compute-stream synchronisation per iteration.
 """
 
@@ -120,6 +121,7 @@ class Recorder:
         self.model = None
         self.optimizer = None
         self.state_at = None
+        self.startup_peak = None
 
     def install(self):
         import megatron.training.training as training
@@ -138,6 +140,11 @@ class Recorder:
                 profiler = torch.profiler.profile(
                     activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
                 profiler.__enter__()
+            if self.startup_peak is None:
+                self.startup_peak = {"max_allocated": torch.cuda.max_memory_allocated(),
+                                     "max_reserved": torch.cuda.max_memory_reserved()}
+            # Peaks per iteration (the run's peak is the max over these and the start-up peak).
+            torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             result = train_step(*a, **k)
             if profiler is not None:
@@ -247,6 +254,7 @@ class Recorder:
                     "params_sha256": params_digest,
                     "optimizer_state_sha256": state_digest,
                     "state_at": self.state_at,
+                    "startup_peak": self.startup_peak,
                     **extra,
                 },
                 f,

@@ -21,7 +21,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from megatron_runs import launch, model_args  # noqa: E402
+from megatron_runs import launch, model_args, run_peak  # noqa: E402
 
 def losses(run):
     # The loss is reported by the last pipeline stage; with DP every rank has it.
@@ -29,7 +29,7 @@ def losses(run):
 
 
 def peak_reserved(run):
-    return [r["iterations"][-1]["max_reserved"] for r in run["ranks"]]
+    return [run_peak(r) for r in run["ranks"]]
 
 
 def main(argv=None):
