@@ -1,0 +1,66 @@
+"""The planner's floor computation against the brief's hand analysis of R1, R2 and R3."""
+
+import pytest
+
+from megatron_offload import planner
+from megatron_offload.planner import GiB, PRESETS, Profile, Segment, free_bytes, predict
+
+
+def test_r1_full_saving_floor_matches_the_brief():
+    r1 = PRESETS["r1"]
+    p = predict(r1, r1.state_bytes)
+    # Brief: ~70 ms of delay before the first forward peak, ~20 ms of reload not hidden: ~1.14x.
+    assert 65 <= p.stall_out_ms <= 80
+    assert 15 <= p.stall_in_ms <= 25
+    assert 1.12 <= p.ratio <= 1.16
+    assert p.feasible
+
+
+def test_r1_free_amount_matches_the_brief():
+    # Brief: "at zero cost only ~3 GiB can move out in time".
+    assert 2.7 * GiB <= free_bytes(PRESETS["r1"]) <= 3.4 * GiB
+
+
+def test_r2_step_is_the_peak_so_unchunked_offload_saves_nothing():
+    r2 = PRESETS["r2"]
+    assert r2.max_unchunked_bytes == 0
+    assert not predict(r2, 1 * GiB).feasible
+
+
+def test_r3_full_saving_costs_little():
+    r3 = PRESETS["r3"]
+    p = predict(r3, r3.state_bytes)
+    # Brief: 3.4 GiB out in ~67 ms against a ~55 ms window; back within the cool-down backwards.
+    assert 5 <= p.stall_out_ms <= 20
+    assert p.stall_in_ms <= 1
+
+
+def test_more_bandwidth_never_costs_more_and_zero_offload_is_free():
+    r1 = PRESETS["r1"]
+    assert predict(r1, 0).ratio == pytest.approx(1.0)
+    slow = predict(Profile(r1.segments, r1.state_bytes, 25, 25, 50), r1.state_bytes)
+    fast = predict(Profile(r1.segments, r1.state_bytes, 100, 100, 200), r1.state_bytes)
+    assert fast.iteration_ms < predict(r1, r1.state_bytes).iteration_ms < slow.iteration_ms
+
+
+def test_stall_is_exact_for_a_single_forward():
+    # One forward of 10 ms growing 0 -> 10 GiB, 5 GiB of state at 1 GiB/ms (~1073.7 GB/s):
+    # the copy-out needs 5 ms; memory is needed once growth passes 5 GiB (t = 5 ms): no stall.
+    gbps = GiB / 1e6
+    prof = Profile([Segment("forward", 10, 0, 10 * GiB), Segment("backward", 10, 10 * GiB, 0),
+                    Segment("step", 1, 0, 0)], 5 * GiB, gbps, gbps, 2 * gbps)
+    assert predict(prof, 5 * GiB, dt_ms=0.01).stall_out_ms == pytest.approx(0, abs=0.05)
+    # At half the bandwidth the copy-out ends exactly when the growth reaches the peak: no stall.
+    half = Profile(prof.segments, prof.state_bytes, gbps / 2, gbps / 2, gbps)
+    assert predict(half, 5 * GiB, dt_ms=0.01).stall_out_ms == pytest.approx(0, abs=0.05)
+    # At a quarter, the last 5 GiB of growth can only follow the copy-out, which ends at 20 ms:
+    # the 10 ms forward takes 20 ms.
+    quarter = Profile(prof.segments, prof.state_bytes, gbps / 4, gbps / 4, gbps / 2)
+    assert predict(quarter, 5 * GiB, dt_ms=0.01).stall_out_ms == pytest.approx(10, abs=0.1)
+
+
+def test_cli_runs_each_preset(capsys):
+    for name in PRESETS:
+        planner.main(["--preset", name])
+    out = capsys.readouterr().out
+    assert "plan r1" in out and "chunked step" in out
