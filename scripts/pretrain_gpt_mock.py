@@ -122,6 +122,7 @@ class Recorder:
         self.optimizer = None
         self.state_at = None
         self.startup_peak = None
+        self.saves = []
 
     def install(self):
         import megatron.training.training as training
@@ -175,8 +176,22 @@ class Recorder:
             self.write()
             return out
 
+        save_checkpoint = training.save_checkpoint
+
+        def recording_save_checkpoint(*a, **k):
+            # Memory of a checkpoint save on its own: peak above what was allocated before it.
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = save_checkpoint(*a, **k)
+            self.saves.append({"allocated_before": before, "max_allocated": torch.cuda.max_memory_allocated(),
+                               "max_reserved": torch.cuda.max_memory_reserved(),
+                               "after_iteration": len(self.iterations)})
+            return out
+
         training.train_step = recording_train_step
         training.train = recording_train
+        training.save_checkpoint = recording_save_checkpoint
 
     def component_digests(self, optimizer):
         """Per-component SHA-256 of the optimizer state plus its scalar hyperparameters."""
@@ -255,6 +270,7 @@ class Recorder:
                     "optimizer_state_sha256": state_digest,
                     "state_at": self.state_at,
                     "startup_peak": self.startup_peak,
+                    "saves": self.saves,
                     **extra,
                 },
                 f,

@@ -58,7 +58,8 @@ def main(argv=None):
     resume = lambda name: ["--load", ck(name), "--ckpt-step", str(half)]  # noqa: E731
     plan = {
         "baseline": base + save("baseline"),
-        "offload": base + save("offload") + ["--offload-optimizer-states"],
+        # --log-params-norm reads the fp32 masters after every step: it must see resident data.
+        "offload": base + save("offload") + ["--offload-optimizer-states", "--log-params-norm"],
         "resume_offload": base + resume("offload") + ["--offload-optimizer-states"],
         "resume_plain": base + resume("offload"),
         "plain_to_offload": base + resume("baseline") + ["--offload-optimizer-states"],
@@ -82,6 +83,12 @@ def main(argv=None):
             check(f"offload: rank {r} peak reserved lower", ro < rb,
                   f"({rb / 2**30:.2f} -> {ro / 2**30:.2f} GiB, saved {(rb - ro) / 2**30:.2f} of "
                   f"{off_bytes / 2**30:.2f} GiB offloaded)")
+            saves = o["ranks"][r].get("saves", [])
+            training_peak = max(it["max_allocated"] for it in o["ranks"][r]["iterations"])
+            save_peak = max((sv["max_allocated"] for sv in saves), default=0)
+            check(f"offload: rank {r} checkpoint save stays within training peak + state",
+                  saves and save_peak <= training_peak + off_bytes,
+                  f"(save peak {save_peak / 2**30:.2f} GiB, training peak {training_peak / 2**30:.2f} GiB)")
             moved = o["ranks"][r].get("cumulative_d2h_bytes", 0)
             check(f"offload: rank {r} state actually moved", off_bytes > 0 and moved >= off_bytes * (opts.iters - 1),
                   f"(d2h {moved / 2**30:.2f} GiB over the run)")
