@@ -24,13 +24,13 @@ NO_FUSION = (
 ).split()
 
 
-def model_args(iters, layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16):
+def model_args(iters, layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16, precision="--bf16"):
     return [
         "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
         "--seq-length", str(seq), "--max-position-embeddings", str(seq),
         "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs),
         "--train-iters", str(iters), "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", "3", "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16",
+        "--lr-warmup-iters", "3", "--weight-decay", "0.1", "--clip-grad", "1.0", precision,
         "--use-distributed-optimizer", "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "32000", "--seed", "1234", "--log-interval", "5", "--eval-iters", "0",
         "--eval-interval", "100000", "--ckpt-format", "torch_dist",

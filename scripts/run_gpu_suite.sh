@@ -3,7 +3,8 @@
 #   1. install carried wheels from .whl/ (megatron-core) if present,
 #   2. GPU unit tests (pytest -m gpu, 1 GPU, real DistributedOptimizer),
 #   3. functional runs through torchrun (bit-exact losses/params, memory, checkpoint resume),
-#   4. optionally the side-by-side benchmark (BENCH=r1|small).
+#   4. optionally the parallel-layout matrix (stage `matrix`, 2-4 GPUs),
+#   5. optionally the side-by-side benchmark (BENCH=r1|small).
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
 # *.json summaries and logs.tgz (every run log, no checkpoints).
 #
@@ -35,6 +36,10 @@ for stage in $STAGES; do
       python3 tests/functional/run_functional.py --out "$WORK/functional" --nproc "$NPROC" \
         ${FUNCTIONAL_ARGS:-} 2>&1 | tee "$OUT/functional.log" || status=1
       cp "$WORK/functional/functional_summary.json" "$OUT/" 2>/dev/null ;;
+    matrix)
+      python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" \
+        ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/matrix.log" || status=1
+      cp "$WORK/matrix/matrix_summary.json" "$OUT/" 2>/dev/null ;;
     bench)
       python3 scripts/benchmark.py --preset "${BENCH:-r1}" --nproc "$NPROC" --out "$WORK/bench" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/benchmark.log" || status=1
