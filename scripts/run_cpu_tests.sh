@@ -13,8 +13,9 @@ find_python() {
       echo "$p"; return 0
     fi
   done
-  if command -v pyenv >/dev/null 2>&1; then  # pyenv-installed interpreters, newest 3.1x first
-    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[2-9]' | sort -rV); do
+  if command -v pyenv >/dev/null 2>&1; then  # pyenv interpreters: 3.12 (what the GPU machines run) first
+    for v in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12' | sort -rV) \
+             $(pyenv versions --bare 2>/dev/null | grep -E '^3\.1[3-9]' | sort -V); do
       p="$(pyenv root)/versions/$v/bin/python3"
       if [ -x "$p" ]; then echo "$p"; return 0; fi
     done
