@@ -260,3 +260,13 @@ def assert_same(a, b, path="state"):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), path
     else:
         assert a == b, path
+
+
+def test_allocator_stat_reader_matches_public_api():
+    from megatron_offload.coordinator import _allocator_stat
+
+    x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert _allocator_stat(device, "current")() == torch.cuda.memory_allocated()
+    assert _allocator_stat(device, "peak")() == torch.cuda.max_memory_allocated()
+    del x
