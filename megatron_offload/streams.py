@@ -46,9 +46,9 @@ class TransferStats:
 
     def __init__(self, timing: bool):
         self.timing = timing
+        # Event pairs not harvested yet (only with timing; without, just the byte counters).
         self._copies: List[Tuple[str, object, object, int]] = []
         self._waits: List[Tuple[str, object, object]] = []
-        self._totals = TransferTotals()
         self.cumulative_d2h_bytes = 0
         self.cumulative_h2d_bytes = 0
 
@@ -68,23 +68,25 @@ class TransferStats:
             self.cumulative_d2h_bytes += nbytes
         else:
             self.cumulative_h2d_bytes += nbytes
-        self._copies.append((direction, start, self._event(stream), nbytes))
+        if start is not None:
+            self._copies.append((direction, start, self._event(stream), nbytes))
 
     @contextlib.contextmanager
     def exposed_wait(self, compute_stream, label: str):
         before = self._event(compute_stream)
         yield
-        self._waits.append((label, before, self._event(compute_stream)))
+        if before is not None:
+            self._waits.append((label, before, self._event(compute_stream)))
 
     def harvest(self) -> TransferTotals:
         """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
-        totals = self._totals
+        totals = TransferTotals()
         still_copies = []
         for direction, start, end, nbytes in self._copies:
-            if end is not None and not end.query():
+            if not end.query():
                 still_copies.append((direction, start, end, nbytes))
                 continue
-            ms = start.elapsed_time(end) if start is not None else 0.0
+            ms = start.elapsed_time(end)
             if direction == "d2h":
                 totals.d2h_bytes += nbytes
                 totals.d2h_ms += ms
@@ -94,10 +96,10 @@ class TransferStats:
         self._copies = still_copies
         still_waits = []
         for label, before, after in self._waits:
-            if after is not None and not after.query():
+            if not after.query():
                 still_waits.append((label, before, after))
                 continue
-            ms = before.elapsed_time(after) if before is not None else 0.0
+            ms = before.elapsed_time(after)
             if label == "d2h":
                 totals.exposed_d2h_ms += ms
             else:
@@ -105,7 +107,6 @@ class TransferStats:
         self._waits = still_waits
         totals.cumulative_d2h_bytes = self.cumulative_d2h_bytes
         totals.cumulative_h2d_bytes = self.cumulative_h2d_bytes
-        self._totals = TransferTotals()
         return totals
 
 
