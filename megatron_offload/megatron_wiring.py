@@ -190,8 +190,9 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
         _wrap_state_access(coord, off, dist_opt)
-    # The fp32 masters exist since the optimizer was built (the moments too after a resume):
-    # send them out now so that the very first forward already runs without them.
+    # The fp32 masters exist since the optimizer was built, the moments after a resume, and torch
+    # Adam's moments are created here rather than lazily in step 1: pack and send out all of it
+    # now, while no activation exists, so that even the first forward runs without it.
     coord.offload_existing_state()
 
     step = optimizer.step

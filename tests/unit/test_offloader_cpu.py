@@ -458,3 +458,42 @@ def test_startup_transient_in_high_water_mark_does_not_inflate_the_budget():
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
     act_peak = LAYERS * layer_bytes + logits_bytes
     assert max(peaks) <= mem.base + act_peak + margin, (peaks, mem.base + act_peak)
+
+
+def test_pipeline_schedule_opens_the_reload_window_only_after_the_last_forward():
+    """1F1B-like order (two warm-up forwards, then F/B pairs, then cool-down backwards): no
+    reload may start before the last forward, or that forward would need the memory again."""
+    opt = FakeDistOpt()
+    coord = make_coord(expected_forwards_per_iteration=lambda: 4, memory_allocated=lambda: 0)
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    order = ["F", "F", "B", "F", "B", "F", "B", "B"]
+    for step in range(3):
+        for i, phase in enumerate(order):
+            if phase == "F":
+                coord.forward_begin(True)
+                coord._on_layer_forward(None, ())
+                coord.forward_end()
+            else:
+                coord.backward_begin()
+                remaining_forwards = order[i + 1:].count("F")
+                assert coord._window_open == (remaining_forwards == 0), (step, i)
+                if remaining_forwards:
+                    assert coord.bytes_in(ChunkState.COPYING_IN) == 0
+        coord.grads_finalizing()
+        make_grads(opt.all_params(), step)
+        opt.step()
+        coord.optimizer_step_done()
+
+
+def test_evaluation_forwards_do_not_count_as_microbatches():
+    opt = FakeDistOpt()
+    coord = make_coord(expected_forwards_per_iteration=lambda: 1)
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    coord.forward_begin(False)  # evaluation between steps frees, but is no microbatch
+    coord.forward_end()
+    assert coord._train_forwards == 0
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
+    one_iteration(opt, coord, 0, microbatches=1)
+    assert coord.phase is Phase.FREEING
