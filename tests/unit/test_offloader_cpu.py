@@ -497,3 +497,40 @@ def test_evaluation_forwards_do_not_count_as_microbatches():
     assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
     one_iteration(opt, coord, 0, microbatches=1)
     assert coord.phase is Phase.FREEING
+
+
+def test_wrapped_checkpoint_methods_see_resident_state_and_resend_it():
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    opt = FakeDistOpt()
+    seen = []
+
+    def sharded_state_dict(model_sharded_state_dict, is_loading=False):
+        seen.append(all(storage_bytes(st.tensor) > 0 for st in off.discovery.tensors))
+        return {"state": {i: dict(s) for i, s in enumerate(opt.optimizer.state.values())}}
+
+    def load_state_dict(state_dict):
+        for p in opt.all_params():  # a load that replaces the tensors, as DistOpt / TE do
+            opt.optimizer.state[p]["exp_avg"] = torch.full_like(opt.optimizer.state[p]["exp_avg"], 0.25)
+
+    opt.sharded_state_dict = sharded_state_dict
+    opt.load_state_dict = load_state_dict
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    one_iteration(opt, coord, 0)
+    coord.forward_begin(True)
+    coord.forward_end()  # everything off the GPU, as between two microbatches
+    opt.sharded_state_dict({}, False)  # a save
+    assert seen == [True]
+    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.gpu_bytes  # freeable again, no new D2H
+    opt.sharded_state_dict({}, is_loading=True)  # a load template: counts as a write
+    opt.load_state_dict({})
+    replaced = [opt.optimizer.state[p]["exp_avg"] for p in opt.all_params()]
+    assert {id(t) for t in replaced} <= {id(st.tensor) for st in off.discovery.tensors}
+    coord.forward_end()
+    assert all(storage_bytes(t) == 0 for t in replaced)  # the loaded tensors are offloaded too
+    coord.grads_finalizing()
+    coord._before_inner_step(off)
+    assert all(torch.all(t == 0.25) for t in replaced)
