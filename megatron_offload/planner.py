@@ -188,6 +188,32 @@ PRESETS: Dict[str, Profile] = {
 }
 
 
+def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0.0,
+                          d2h_gbps: float = 55.0, h2d_gbps: float = 55.0, both_gbps: float = 100.0) -> Profile:
+    """Build a Profile from marks taken during one iteration *without* offloading.
+
+    marks: (label, t_ms, allocated_bytes) in time order, t_ms from CUDA events on the compute
+    stream. Labels: "iter_begin", "fwd_begin"/"fwd_end", "bwd_begin"/"bwd_end",
+    "step_begin"/"step_end". Growth is allocated memory above the allocation at "iter_begin";
+    the step's growth is `step_peak_growth` (its temporaries, from the allocator's peak). Time
+    between the marked phases becomes "gap" segments at the growth they start from.
+    """
+    kinds = {"fwd": "forward", "bwd": "backward", "step": "step"}
+    base = marks[0][2]
+    segments: List[Segment] = []
+    for (label, t, alloc), (next_label, next_t, next_alloc) in zip(marks, marks[1:]):
+        duration = max(0.0, next_t - t)
+        phase = label.rsplit("_", 1)[0]
+        if label.endswith("_begin") and phase in kinds and next_label == f"{phase}_end":
+            if phase == "step":
+                segments.append(Segment("step", duration, step_peak_growth, step_peak_growth))
+            else:
+                segments.append(Segment(kinds[phase], duration, alloc - base, next_alloc - base))
+        elif duration > 0:
+            segments.append(Segment("gap", duration, alloc - base, alloc - base))
+    return Profile(segments, state_bytes, d2h_gbps, h2d_gbps, both_gbps)
+
+
 def load_profile(path: str) -> Profile:
     """JSON: {"state_gib": .., "d2h_gbps": .., "h2d_gbps": .., "both_gbps": ..,
     "segments": [{"kind": "forward", "ms": 60, "growth_start_gib": 0, "growth_end_gib": 22.7}, ...]}"""

@@ -56,8 +56,33 @@ def summarize(run, warmup):
         "offloaded_gib": [r.get("offloaded_bytes", 0) / 2**30 for r in ranks],
         "pinned_gib": [r.get("pinned_bytes", 0) / 2**30 for r in ranks],
         "losses": [it["loss"] for it in ranks[-1]["iterations"]],
+        "timeline": ranks[0].get("timeline"),
         "startup_and_run_s": run["seconds"],
     }
+
+
+def compare_with_planner(results, gbps):
+    """The planner's floor from the baseline's measured phase timeline, next to each offload
+    variant's measured step time (rank 0)."""
+    from megatron_offload import planner
+
+    base = results.get("baseline")
+    if not base or not base.get("timeline"):
+        return {}
+    rows = {}
+    for name, r in results.items():
+        state = r["offloaded_gib"][0] * planner.GiB
+        if not state:
+            continue
+        prof = planner.profile_from_timeline(
+            base["timeline"]["marks"], state, base["timeline"]["step_peak_growth"], gbps, gbps, 2 * gbps)
+        pred = planner.predict(prof, min(state, prof.max_unchunked_bytes))
+        rows[name] = {"predicted_ms": pred.iteration_ms, "timeline_ms": prof.iteration_ms,
+                      "predicted_ratio": pred.ratio, "measured_ratio": r["ratio"],
+                      "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB}
+        print(f"planner {name}: floor {pred.ratio:.3f}x of the marked iteration "
+              f"({pred.iteration_ms:.0f} / {prof.iteration_ms:.0f} ms); measured {r['ratio']:.3f}x")
+    return rows
 
 
 def main(argv=None):
@@ -69,10 +94,15 @@ def main(argv=None):
     p.add_argument("--variants", default="baseline,offload")
     p.add_argument("--out", default="/tmp/megatron_offload_bench")
     p.add_argument("--extra", default="")
+    p.add_argument("--gbps", type=float, default=55.0, help="PCIe GB/s per direction for the planner")
+    p.add_argument("--timeline-at", type=int, default=None,
+                   help="iteration whose phases are marked for the planner (default: warmup + 2)")
     p.add_argument("--env", action="append", default=[],
                    help="KEY=VALUE for every run, e.g. CUDA_DEVICE_MAX_CONNECTIONS=8 (default 1)")
     opts = p.parse_args(argv)
     env_extra = dict(kv.split("=", 1) for kv in opts.env)
+    env_extra.setdefault("MEGATRON_OFFLOAD_TIMELINE_AT",
+                         str(opts.timeline_at if opts.timeline_at is not None else opts.warmup + 2))
     os.makedirs(opts.out, exist_ok=True)
     base = model_args(opts.iters, **PRESETS[opts.preset]) + opts.extra.split()
     results = {}
@@ -99,9 +129,10 @@ def main(argv=None):
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {frac:.3f} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
+    planned = compare_with_planner(results, opts.gbps)
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
         json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
-                   "env": env_extra,
+                   "env": env_extra, "planner": planned,
                    "args": base, "results": results}, f, indent=1)
 
 

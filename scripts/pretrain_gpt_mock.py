@@ -123,6 +123,8 @@ class Recorder:
         self.state_at = None
         self.startup_peak = None
         self.saves = []
+        self._marks = None
+        self.timeline = None
 
     def install(self):
         import megatron.training.training as training
@@ -131,11 +133,43 @@ class Recorder:
 
         profile_iters = {int(x) for x in os.environ.get("MEGATRON_OFFLOAD_PROFILE_ITERS", "").split(",") if x}
         state_at = os.environ.get("MEGATRON_OFFLOAD_STATE_DIGEST_AT")
+        timeline_at = os.environ.get("MEGATRON_OFFLOAD_TIMELINE_AT")
+        import megatron.core.pipeline_parallel.schedules as schedules
+
+        def marked(fn, phase):
+            def wrapper(*a, **k):
+                self.mark(f"{phase}_begin")
+                out = fn(*a, **k)
+                self.mark(f"{phase}_end")
+                return out
+            return wrapper
+
+        schedules.forward_step = marked(schedules.forward_step, "fwd")
+        schedules.backward_step = marked(schedules.backward_step, "bwd")
 
         def recording_train_step(*a, **k):
             iteration = k.get("iteration")
             if state_at is not None and iteration == int(state_at):
                 self.state_at = {"iteration": iteration, **self.component_digests(a[3])}
+            optimizer = a[3]
+            timeline = timeline_at is not None and iteration == int(timeline_at)
+            if timeline:
+                # Phase marks (CUDA events + allocated bytes) for the planner, one iteration.
+                self._marks = []
+                self.mark("iter_begin")
+                self._pre_step_peak, self._step_peak = (0, 0), self._marks[0][2]
+                step = optimizer.step
+
+                def marked_step(*x, **y):
+                    self._pre_step_peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+                    self.mark("step_begin")
+                    torch.cuda.reset_peak_memory_stats()
+                    out = step(*x, **y)
+                    self.mark("step_end")
+                    self._step_peak = torch.cuda.max_memory_allocated()
+                    return out
+
+                optimizer.step = marked_step
             profiler = None
             if iteration in profile_iters and torch.distributed.get_rank() == 0:
                 profiler = torch.profiler.profile(
@@ -158,14 +192,25 @@ class Recorder:
             # The compute stream only: a device-wide sync would also wait for megatron-offload's
             # copy-out, which by design overlaps the next iteration's forward.
             torch.cuda.current_stream().synchronize()
+            peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            if timeline:
+                optimizer.step = step
+                peaks = tuple(max(x, y) for x, y in zip(peaks, self._pre_step_peak))
+                first, base = self._marks[0][1], self._marks[0][2]
+                self.timeline = {
+                    "iteration": iteration,
+                    "marks": [(label, first.elapsed_time(ev), alloc) for label, ev, alloc in self._marks],
+                    "step_peak_growth": self._step_peak - base,
+                }
+                self._marks = None
             loss = result[0].get("lm loss") if isinstance(result[0], dict) else None
             self.iterations.append(
                 {
                     "ms": (time.perf_counter() - start) * 1e3,
                     "loss": float(loss).hex() if loss is not None else None,
                     "skipped": int(result[1]),
-                    "max_allocated": torch.cuda.max_memory_allocated(),
-                    "max_reserved": torch.cuda.max_memory_reserved(),
+                    "max_allocated": peaks[0],
+                    "max_reserved": peaks[1],
                 }
             )
             return result
@@ -192,6 +237,12 @@ class Recorder:
         training.train_step = recording_train_step
         training.train = recording_train
         training.save_checkpoint = recording_save_checkpoint
+
+    def mark(self, label):
+        if self._marks is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((label, event, torch.cuda.memory_allocated()))
 
     def component_digests(self, optimizer):
         """Per-component SHA-256 of the optimizer state plus its scalar hyperparameters."""
@@ -271,6 +322,7 @@ class Recorder:
                     "state_at": self.state_at,
                     "startup_peak": self.startup_peak,
                     "saves": self.saves,
+                    "timeline": self.timeline,
                     **extra,
                 },
                 f,

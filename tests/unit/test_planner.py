@@ -64,3 +64,17 @@ def test_cli_runs_each_preset(capsys):
         planner.main(["--preset", name])
     out = capsys.readouterr().out
     assert "plan r1" in out and "chunked step" in out
+
+
+def test_profile_from_timeline_marks():
+    g = GiB
+    marks = [("iter_begin", 0, 10 * g), ("fwd_begin", 1, 10 * g), ("fwd_end", 61, 32 * g),
+             ("bwd_begin", 61, 32 * g), ("bwd_end", 161, 10 * g), ("step_begin", 174, 10 * g),
+             ("step_end", 202, 10 * g)]
+    prof = planner.profile_from_timeline(marks, state_bytes=6.8 * g, step_peak_growth=2.4 * g)
+    assert [(s.kind, s.ms) for s in prof.segments] == [
+        ("gap", 1), ("forward", 60), ("backward", 100), ("gap", 13), ("step", 28)]
+    assert prof.peak_growth == 22 * g
+    assert prof.segments[1].growth_end == 22 * g and prof.segments[2].growth_end == 0
+    assert prof.max_unchunked_bytes == pytest.approx(6.8 * g)
+    assert predict(prof, 0).ratio == pytest.approx(1.0)
