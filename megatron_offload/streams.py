@@ -51,6 +51,8 @@ class TransferStats:
         self._waits: List[Tuple[str, object, object]] = []
         self.cumulative_d2h_bytes = 0
         self.cumulative_h2d_bytes = 0
+        # Sum of everything harvested so far (timed copies and waits), for end-of-run reports.
+        self.harvested = TransferTotals()
 
     def _event(self, stream) -> Optional[torch.cuda.Event]:
         if not self.timing or stream is None:
@@ -107,6 +109,8 @@ class TransferStats:
         self._waits = still_waits
         totals.cumulative_d2h_bytes = self.cumulative_d2h_bytes
         totals.cumulative_h2d_bytes = self.cumulative_h2d_bytes
+        for field in ("d2h_bytes", "h2d_bytes", "d2h_ms", "h2d_ms", "exposed_d2h_ms", "exposed_h2d_ms"):
+            setattr(self.harvested, field, getattr(self.harvested, field) + getattr(totals, field))
         return totals
 
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,7 @@ def summarize(run, warmup):
         "pinned_gib": [r.get("pinned_bytes", 0) / 2**30 for r in ranks],
         "losses": [it["loss"] for it in ranks[-1]["iterations"]],
         "timeline": ranks[0].get("timeline"),
+        "transfer": ranks[0].get("transfer"),
         "startup_and_run_s": run["seconds"],
     }
 
@@ -94,7 +96,9 @@ def main(argv=None):
     p.add_argument("--variants", default="baseline,offload")
     p.add_argument("--out", default="/tmp/megatron_offload_bench")
     p.add_argument("--extra", default="")
-    p.add_argument("--gbps", type=float, default=55.0, help="PCIe GB/s per direction for the planner")
+    p.add_argument("--gbps", type=float, default=None,
+                   help="PCIe GB/s per direction for the planner (default: measured, see --no-ceilings)")
+    p.add_argument("--no-ceilings", action="store_true", help="skip measuring the copy ceilings first")
     p.add_argument("--timeline-at", type=int, default=None,
                    help="iteration whose phases are marked for the planner (default: warmup + 2)")
     p.add_argument("--env", action="append", default=[],
@@ -105,6 +109,15 @@ def main(argv=None):
                          str(opts.timeline_at if opts.timeline_at is not None else opts.warmup + 2))
     os.makedirs(opts.out, exist_ok=True)
     base = model_args(opts.iters, **PRESETS[opts.preset]) + opts.extra.split()
+    ceilings = None
+    if not opts.no_ceilings:
+        # In a subprocess: a CUDA context in this driver would sit on GPU 0 during the runs.
+        path = os.path.join(opts.out, "ceilings.json")
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "copy_ceilings.py"),
+                        "--sizes-gib", "4", "--out", path], check=True)
+        ceilings = json.load(open(path))[-1]
+    if opts.gbps is None:
+        opts.gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"]) if ceilings else 55.0
     results = {}
     for name in opts.variants.split(","):
         variant, *mods = name.split("@")
@@ -125,6 +138,12 @@ def main(argv=None):
         frac = saved / r["offloaded_gib"][0] if r["offloaded_gib"][0] else float("nan")
         same = (r["losses"] == ref["losses"]) if ref else None
         r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
+        if r.get("transfer") and ceilings:
+            t = r["transfer"]
+            print(f"  {name}: achieved D2H {t['d2h_gbps']:.1f} GB/s ({t['d2h_gbps'] / ceilings['d2h_gbps']:.0%} of "
+                  f"ceiling), H2D {t['h2d_gbps']:.1f} GB/s ({t['h2d_gbps'] / ceilings['h2d_gbps']:.0%}); exposed "
+                  f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
+                  f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms")
         print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {frac:.3f} | "
@@ -132,7 +151,7 @@ def main(argv=None):
     planned = compare_with_planner(results, opts.gbps)
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
         json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
-                   "env": env_extra, "planner": planned,
+                   "env": env_extra, "planner": planned, "ceilings": ceilings,
                    "args": base, "results": results}, f, indent=1)
 
 

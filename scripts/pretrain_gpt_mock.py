@@ -302,7 +302,12 @@ class Recorder:
 
             coord = megatron_wiring.coordinator
             if coord is not None:
+                coord.harvest()  # fold what the log has not picked up yet into the run totals
+                moved = coord.streams.stats.harvested
                 extra = {
+                    "transfer": {"d2h_gbps": moved.d2h_gbps, "h2d_gbps": moved.h2d_gbps,
+                                 "exposed_d2h_ms": moved.exposed_d2h_ms, "exposed_h2d_ms": moved.exposed_h2d_ms,
+                                 "iterations": len(self.iterations)},
                     "offloaded_bytes": coord.state_bytes,
                     "pinned_bytes": coord.pinned_bytes,
                     "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,
