@@ -132,6 +132,7 @@ def main(argv=None):
     print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | steady max reserved GiB | "
           "reserved saved GiB | offloaded GiB | saved / offloaded | pinned GiB | losses == baseline |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    notes = []
     for name, r in results.items():
         ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
         saved = (ref["max_reserved_gib"][0] - r["max_reserved_gib"][0]) if ref else float("nan")
@@ -140,7 +141,7 @@ def main(argv=None):
         r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
         if r.get("transfer") and ceilings:
             t = r["transfer"]
-            print(f"  {name}: achieved D2H {t['d2h_gbps']:.1f} GB/s ({t['d2h_gbps'] / ceilings['d2h_gbps']:.0%} of "
+            notes.append(f"{name}: achieved D2H {t['d2h_gbps']:.1f} GB/s ({t['d2h_gbps'] / ceilings['d2h_gbps']:.0%} of "
                   f"ceiling), H2D {t['h2d_gbps']:.1f} GB/s ({t['h2d_gbps'] / ceilings['h2d_gbps']:.0%}); exposed "
                   f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
                   f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms")
@@ -148,6 +149,7 @@ def main(argv=None):
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {frac:.3f} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
+    print("\n".join(notes))
     planned = compare_with_planner(results, opts.gbps)
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
         json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
