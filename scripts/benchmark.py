@@ -113,9 +113,12 @@ def main(argv=None):
     if not opts.no_ceilings:
         # In a subprocess: a CUDA context in this driver would sit on GPU 0 during the runs.
         path = os.path.join(opts.out, "ceilings.json")
-        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "copy_ceilings.py"),
-                        "--sizes-gib", "4", "--out", path], check=True)
-        ceilings = json.load(open(path))[-1]
+        done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                            "copy_ceilings.py"), "--sizes-gib", "4", "--out", path])
+        if done.returncode == 0 and os.path.exists(path):
+            ceilings = json.load(open(path))[-1]
+        else:  # the runs matter more than the ceiling: go on without it
+            print("copy ceilings could not be measured; the planner assumes 55 GB/s", flush=True)
     if opts.gbps is None:
         opts.gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"]) if ceilings else 55.0
     results = {}
