@@ -336,6 +336,10 @@ class Recorder:
 
 
 if __name__ == "__main__":
+    if os.environ.get("MEGATRON_OFFLOAD_MEMORY_FRACTION"):
+        # A per-GPU memory cap for max-fit experiments (scripts/max_fit.py).
+        torch.cuda.set_per_process_memory_fraction(
+            float(os.environ["MEGATRON_OFFLOAD_MEMORY_FRACTION"]), device=int(os.environ.get("LOCAL_RANK", 0)))
     if os.environ.get("MEGATRON_OFFLOAD_RECORD"):
         Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"]).install()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})

@@ -1,0 +1,78 @@
+"""Max-fit: under a fixed per-GPU memory cap, the largest model (layers) each variant trains.
+
+    python scripts/max_fit.py --cap-gib 40 [--nproc 2] [--variants baseline,offload,recompute,recompute+offload]
+
+For each variant, bisects the number of layers of the R1-shaped GPT (hidden 2048, seq 2048,
+mbs 2) between --min-layers and --max-layers with short runs (--iters) under
+torch.cuda.set_per_process_memory_fraction(cap / total); a run that ends with a CUDA
+out-of-memory error does not fit. Reports, per variant, the largest fitting depth and its median
+step time and tokens/s. Long: every probe is a torchrun start (about a minute for R1).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import PRESETS, VARIANTS  # noqa: E402
+from megatron_runs import launch, model_args  # noqa: E402
+
+
+def probe(variant, layers, opts, fraction):
+    shape = dict(PRESETS["r1"], layers=layers)
+    args = model_args(opts.iters, **shape) + VARIANTS[variant]
+    name = f"fit-{variant}-{layers}"
+    try:
+        run = launch(name, args, opts.nproc, opts.out, env_extra={"MEGATRON_OFFLOAD_MEMORY_FRACTION": str(fraction)})
+    except RuntimeError as err:
+        if "out of memory" in str(err).lower():
+            return None
+        raise
+    steps = [it["ms"] for it in run["ranks"][0]["iterations"][opts.iters // 2:]]
+    return statistics.median(steps)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--cap-gib", type=float, required=True)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--min-layers", type=int, default=8)
+    p.add_argument("--max-layers", type=int, default=64)
+    p.add_argument("--variants", default="baseline,offload,recompute,recompute+offload")
+    p.add_argument("--out", default="/tmp/megatron_offload_maxfit")
+    opts = p.parse_args(argv)
+    os.makedirs(opts.out, exist_ok=True)
+    total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    if total is None:
+        sys.exit("max_fit: needs CUDA GPUs")
+    fraction = min(1.0, opts.cap_gib * 2**30 / total)
+    tokens = PRESETS["r1"]["gbs"] * 2048
+    results = {}
+    for variant in opts.variants.split(","):
+        lo, hi, best = opts.min_layers, opts.max_layers, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            ms = probe(variant, mid, opts, fraction)
+            print(f"{variant}: {mid} layers -> {'OOM' if ms is None else f'{ms:.0f} ms'}", flush=True)
+            if ms is None:
+                hi = mid - 1
+            else:
+                best, lo = (mid, ms), mid + 1
+        results[variant] = {"layers": best[0] if best else None, "ms": best[1] if best else None,
+                            "tokens_per_s": tokens / (best[1] / 1e3) if best else None}
+    print(f"\nmax-fit under {opts.cap_gib:g} GiB per GPU ({opts.nproc} GPUs, R1 shape)")
+    print("| variant | largest layers that fit | ms/iter | tokens/s |")
+    print("|---|---|---|---|")
+    for v, r in results.items():
+        print(f"| {v} | {r['layers']} | {r['ms'] or float('nan'):.0f} | {r['tokens_per_s'] or float('nan'):.0f} |")
+    with open(os.path.join(opts.out, "max_fit.json"), "w") as f:
+        json.dump({"cap_gib": opts.cap_gib, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
