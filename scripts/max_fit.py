@@ -13,9 +13,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark import PRESETS, VARIANTS  # noqa: E402
@@ -47,9 +46,12 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/megatron_offload_maxfit")
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
-    total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    if total is None:
-        sys.exit("max_fit: needs CUDA GPUs")
+    try:  # not through torch: a CUDA context in this driver would sit on GPU 0 during the runs
+        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        sys.exit("max_fit: needs CUDA GPUs (nvidia-smi)")
+    total = float(mib) * 2**20
     fraction = min(1.0, opts.cap_gib * 2**30 / total)
     tokens = PRESETS["r1"]["gbs"] * 2048
     results = {}
