@@ -142,10 +142,13 @@ class OptimizerStateOffloader:
         assert all(c.state is ChunkState.RESIDENT for c in self.chunks), self.chunks
         self.discovery = find_state_tensors(self.dist_opt, self.device)
         groups: List[List[StateTensor]] = [[]]
+        group_bytes = 0
         for st in self.discovery.tensors:
-            if groups[-1] and sum(t.nbytes for t in groups[-1]) + st.nbytes > self.chunk_bytes:
+            if groups[-1] and group_bytes + st.nbytes > self.chunk_bytes:
                 groups.append([])
+                group_bytes = 0
             groups[-1].append(st)
+            group_bytes += st.nbytes
         chunks: List[Chunk] = []
         for tensors in groups:
             if not tensors:
