@@ -158,13 +158,13 @@ class OffloadCoordinator:
         """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated."""
         pending = self._chunks(ChunkState.COPYING_OUT)
         remaining = sum(c.nbytes for _, c in pending)
-        by_offloader = {}
+        chosen = []
         for off, chunk in pending:
             if remaining <= budget:
                 break
-            by_offloader.setdefault(id(off), (off, []))[1].append(chunk)
+            chosen.append((off, chunk))
             remaining -= chunk.nbytes
-        freed = sum(off.free(chunks) for off, chunks in by_offloader.values())
+        freed = sum(off.free(chunks) for off, chunks in _by_offloader(chosen))
         self._freed_this_iter += freed
         if freed and not self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.OFFLOADED
@@ -177,13 +177,13 @@ class OffloadCoordinator:
         if not todo:
             return 0
         allocated = self._allocated() if ceiling is not None else 0
-        by_offloader = {}
+        chosen = []
         for off, chunk in todo:
             if ceiling is not None and allocated + chunk.nbytes > ceiling:
                 break
-            by_offloader.setdefault(id(off), (off, []))[1].append(chunk)
+            chosen.append((off, chunk))
             allocated += chunk.nbytes
-        moved = sum(off.start_copy_in(chunks) for off, chunks in by_offloader.values())
+        moved = sum(off.start_copy_in(chunks) for off, chunks in _by_offloader(chosen))
         if moved:
             if self.phase is not Phase.RELOADING:
                 self._trace("reload_start")
@@ -400,6 +400,15 @@ class OffloadCoordinator:
         self._hook_handles.clear()
         for off in self.offloaders:
             off.close()
+
+
+def _by_offloader(pairs):
+    """(offloader, chunk) pairs -> (offloader, [chunks]) in first-seen order: one transition call
+    per offloader, so each batch waits once and records one event."""
+    grouped = {}
+    for off, chunk in pairs:
+        grouped.setdefault(id(off), (off, []))[1].append(chunk)
+    return list(grouped.values())
 
 
 def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:
