@@ -31,6 +31,9 @@ PRESETS = {
 MODIFIERS = {
     "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
     "expseg": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    # Allocator history of rank 0 from start-up through iteration 6 (before the timed iterations
+    # when --warmup >= 7), for scripts/alloc_trace.py.
+    "memhist": {"MEGATRON_OFFLOAD_MEMHIST": "6"},
 }
 VARIANTS = {
     "baseline": [],
@@ -105,6 +108,7 @@ def main(argv=None):
                    help="KEY=VALUE for every run, e.g. CUDA_DEVICE_MAX_CONNECTIONS=8 (default 1)")
     opts = p.parse_args(argv)
     env_extra = dict(kv.split("=", 1) for kv in opts.env)
+    env_extra.setdefault("MEGATRON_OFFLOAD_NO_DIGEST", "1")  # the losses are compared, not digests
     env_extra.setdefault("MEGATRON_OFFLOAD_TIMELINE_AT",
                          str(opts.timeline_at if opts.timeline_at is not None else opts.warmup + 2))
     os.makedirs(opts.out, exist_ok=True)
@@ -130,6 +134,8 @@ def main(argv=None):
         run = launch(name, base + VARIANTS[variant], opts.nproc, opts.out, env_extra=env)
         results[name] = summarize(run, opts.warmup)
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)
+        with open(os.path.join(opts.out, "benchmark.json"), "w") as f:  # partial, in case of a time-out
+            json.dump({"partial": True, "ceilings": ceilings, "results": results}, f, indent=1)
     ref = results.get("baseline")
     print(f"\npreset {opts.preset}, {opts.nproc} GPUs, iterations {opts.warmup + 1}-{opts.iters}, rank 0 unless noted")
     print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | steady max reserved GiB | "

@@ -11,8 +11,15 @@ Only the pip wheel of megatron-core is needed (no Megatron-LM checkout, no datas
 With MEGATRON_OFFLOAD_RECORD=<dir> set, every rank writes <dir>/rank<N>.json: the loss of every
 iteration (as exact float hex), per-iteration wall time, per-iteration peak allocated/reserved
 memory (peak stats are reset before each iteration; the peak before the first one is kept as
-`startup_peak`) and a SHA-256 digest of the final model parameters and optimizer state. Tests and benchmarks compare
-those files; the recording adds one compute-stream synchronisation per iteration.
+`startup_peak`) and a SHA-256 digest of the final model parameters and optimizer state (skipped with
+MEGATRON_OFFLOAD_NO_DIGEST=1). Tests and benchmarks compare those files; the recording adds one
+compute-stream synchronisation per iteration.
+
+With MEGATRON_OFFLOAD_MEMHIST=<N>, local rank 0 also records the caching allocator's history from
+start-up to the end of iteration N and writes it compactly to <dir>/memhist_rank<R>.npz (every
+alloc/free/segment event with address, size and stream; marker allocations of
+512 * (1000 + 4 * iteration + k) bytes tag iteration begin (k=0), step begin (1) and step end (2)).
+Analyse it with scripts/alloc_trace.py.
 """
 
 import hashlib
@@ -114,6 +121,11 @@ def distributed_optimizers(opt):
         yield opt
 
 
+def memhist_marker(iteration, k):
+    """A tiny allocation whose size tags a point of the iteration in the allocator history."""
+    torch.empty(512 * (1000 + 4 * (iteration or 0) + k), dtype=torch.uint8, device="cuda")  # freed at once
+
+
 class Recorder:
     def __init__(self, out_dir):
         self.out_dir = out_dir
@@ -147,11 +159,29 @@ class Recorder:
         schedules.forward_step = marked(schedules.forward_step, "fwd")
         schedules.backward_step = marked(schedules.backward_step, "bwd")
 
+        memhist_until = int(os.environ.get("MEGATRON_OFFLOAD_MEMHIST", "0") or 0)
+
         def recording_train_step(*a, **k):
             iteration = k.get("iteration")
+            if self.memhist:
+                memhist_marker(iteration, 0)
+                if iteration > memhist_until:
+                    self.dump_memhist()
             if state_at is not None and iteration == int(state_at):
                 self.state_at = {"iteration": iteration, **self.component_digests(a[3])}
             optimizer = a[3]
+            if self.memhist and not getattr(optimizer, "_memhist_marked", False):
+                step_fn = optimizer.step
+
+                def marker_step(*x, **y):
+                    memhist_marker(self._iteration, 1)
+                    out = step_fn(*x, **y)
+                    memhist_marker(self._iteration, 2)
+                    return out
+
+                optimizer.step = marker_step
+                optimizer._memhist_marked = True
+            self._iteration = iteration
             timeline = timeline_at is not None and iteration == int(timeline_at)
             if timeline:
                 # Phase marks (CUDA events + allocated bytes) for the planner, one iteration.
@@ -218,6 +248,8 @@ class Recorder:
         def recording_train(forward_step_func, model, optimizer, *a, **k):
             self.model, self.optimizer = model, optimizer
             out = train(forward_step_func, model, optimizer, *a, **k)
+            if self.memhist:
+                self.dump_memhist()
             self.write()
             return out
 
@@ -237,6 +269,39 @@ class Recorder:
         training.train_step = recording_train_step
         training.train = recording_train
         training.save_checkpoint = recording_save_checkpoint
+
+    memhist = False
+    _iteration = 0
+
+    def start_memhist(self):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, max_entries=2_000_000)
+        self.memhist = True
+
+    def dump_memhist(self):
+        """Compact the allocator history into an npz (a pickle of it would be ~10x larger)."""
+        import numpy as np
+
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.memhist = False
+        trace = snap["device_traces"][torch.cuda.current_device()]
+        actions = sorted({e["action"] for e in trace})
+        code = {a: i for i, a in enumerate(actions)}
+        segments = [{k: v for k, v in seg.items() if k in ("address", "total_size", "stream", "segment_type",
+                                                              "is_expandable", "allocated_size")}
+                    for seg in snap["segments"] if seg.get("device", 0) == torch.cuda.current_device()]
+        os.makedirs(self.out_dir, exist_ok=True)
+        np.savez_compressed(
+            os.path.join(self.out_dir, f"memhist_rank{torch.distributed.get_rank()}.npz"),
+            action=np.array([code[e["action"]] for e in trace], dtype=np.int8),
+            addr=np.array([e["addr"] for e in trace], dtype=np.int64),
+            size=np.array([e["size"] for e in trace], dtype=np.int64),
+            stream=np.array([e["stream"] for e in trace], dtype=np.int64),
+            time_us=np.array([e["time_us"] for e in trace], dtype=np.int64),
+            actions=np.array(actions),
+            segments=np.array(json.dumps(segments)),
+        )
 
     def mark(self, label):
         if self._marks is not None:
@@ -295,7 +360,10 @@ class Recorder:
 
     def write(self):
         rank = torch.distributed.get_rank()
-        params_digest, state_digest = self.digest()
+        if os.environ.get("MEGATRON_OFFLOAD_NO_DIGEST"):
+            params_digest = state_digest = None
+        else:
+            params_digest, state_digest = self.digest()
         extra = {}
         try:
             from megatron_offload import megatron_wiring
@@ -341,7 +409,10 @@ if __name__ == "__main__":
         torch.cuda.set_per_process_memory_fraction(
             float(os.environ["MEGATRON_OFFLOAD_MEMORY_FRACTION"]), device=int(os.environ.get("LOCAL_RANK", 0)))
     if os.environ.get("MEGATRON_OFFLOAD_RECORD"):
-        Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"]).install()
+        recorder = Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"])
+        recorder.install()
+        if os.environ.get("MEGATRON_OFFLOAD_MEMHIST") and os.environ.get("LOCAL_RANK", "0") == "0":
+            recorder.start_memhist()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     datasets_provider.is_distributed = True
     pretrain(

@@ -4,7 +4,8 @@
 #   2. GPU unit tests (pytest -m gpu, 1 GPU, real DistributedOptimizer),
 #   3. functional runs through torchrun (bit-exact losses/params, memory, checkpoint resume),
 #   4. optionally the parallel-layout matrix (stage `matrix`, 2-4 GPUs),
-#   5. optionally the side-by-side benchmark (BENCH=r1|small).
+#   5. optionally the side-by-side benchmark (BENCH=r1|small),
+#   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS.
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
 # *.json summaries and logs.tgz (every run log, no checkpoints).
 #
@@ -19,6 +20,10 @@ WORK=${WORK:-/tmp/megatron_offload_work}
 STAGES=${STAGES:-"unit functional"}
 NPROC=${NPROC:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
 mkdir -p "$OUT" "$WORK"
+# SUITE_BUDGET_S: stop any stage still running this many seconds after the start, so that the
+# logs are still packed into $OUT before the caller's own time limit.
+DEADLINE=$(( $(date +%s) + ${SUITE_BUDGET_S:-100000} ))
+within_budget() { timeout $(( DEADLINE - $(date +%s) > 1 ? DEADLINE - $(date +%s) : 1 )) "$@"; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -31,20 +36,28 @@ status=0
 for stage in $STAGES; do
   case $stage in
     unit)
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit 2>&1 | tee "$OUT/gpu_unit.log" || status=1 ;;
+      within_budget python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit 2>&1 | tee "$OUT/gpu_unit.log" || status=1 ;;
     functional)
-      python3 tests/functional/run_functional.py --out "$WORK/functional" --nproc "$NPROC" \
+      within_budget python3 tests/functional/run_functional.py --out "$WORK/functional" --nproc "$NPROC" \
         ${FUNCTIONAL_ARGS:-} 2>&1 | tee "$OUT/functional.log" || status=1
       cp "$WORK/functional/functional_summary.json" "$OUT/" 2>/dev/null ;;
     matrix)
-      python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" \
+      within_budget python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" \
         ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/matrix.log" || status=1
       cp "$WORK/matrix/matrix_summary.json" "$OUT/" 2>/dev/null ;;
     bench)
-      python3 scripts/benchmark.py --preset "${BENCH:-r1}" --nproc "$NPROC" --out "$WORK/bench" \
+      within_budget python3 scripts/benchmark.py --preset "${BENCH:-r1}" --nproc "$NPROC" --out "$WORK/bench" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/benchmark.log" || status=1
-      cp "$WORK/bench/benchmark.json" "$OUT/" 2>/dev/null ;;
+      cp "$WORK/bench/benchmark.json" "$OUT/" 2>/dev/null
+      for f in "$WORK"/bench/*/memhist_rank0.npz; do
+        [ -e "$f" ] && cp "$f" "$OUT/memhist_$(basename "$(dirname "$f")" | tr '@+' '__').npz"
+      done ;;
+    probe)
+      for conn in 1 8; do
+        CUDA_DEVICE_MAX_CONNECTIONS=$conn within_budget python3 scripts/overlap_probe.py \
+          --out "$WORK/probe_conn$conn.json" 2>&1 | tee -a "$OUT/probe.log" || status=1
+      done ;;
   esac
 done
-tar czf "$OUT/logs.tgz" -C "$WORK" --exclude='ckpt_*' . 2>/dev/null
+tar czf "$OUT/logs.tgz" -C "$WORK" --exclude='ckpt_*' --exclude='*.npz' . 2>/dev/null
 exit $status
