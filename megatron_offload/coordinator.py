@@ -3,7 +3,7 @@
 One coordinator per process drives every `OptimizerStateOffloader` (dense, expert, ...) of its
 device through one training iteration:
 
-    step ──▶ copy out (D2H starts right after the Adam kernels were enqueued; nothing freed yet)
+    step ──▶ next forward begins: copy out (D2H enqueued; nothing freed yet)
          ──▶ first forward: free chunks layer by layer, as late as the memory budget allows
          ──▶ ... microbatches (all state off the GPU at every activation peak) ...
          ──▶ last backward(s): reload chunks as the backward frees activations
@@ -78,6 +78,7 @@ class OffloadCoordinator:
         self.phase = Phase.NO_STATE
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
         self._hook_handles = []
+        self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
         self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
 
         # Per-iteration counters.
@@ -88,7 +89,8 @@ class OffloadCoordinator:
         self._m0 = 0
         self._freed_at_first_hook = False  # no profile yet: everything freed at the first hook
         self._freed_this_iter = 0
-        self._layer_index = 0
+        self._position = 0  # pacing modules entered in the current training forward
+        self._freed_at = {}  # id(chunk) -> position before which it was freed this iteration
         self._fwd_end_max = 0
         self._window_open = False
 
@@ -154,8 +156,10 @@ class OffloadCoordinator:
     def pinned_bytes(self) -> int:
         return sum(off.pinned_bytes for off in self.offloaders)
 
-    def _free_until(self, budget: int) -> int:
-        """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated."""
+    def _free_until(self, budget: int, position: Optional[int] = None) -> int:
+        """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated.
+        `position`: the pacing module about to run (activations from it on may reuse the
+        memory); None when unknown (evaluation)."""
         pending = self._chunks(ChunkState.COPYING_OUT)
         remaining = sum(c.nbytes for _, c in pending)
         chosen = []
@@ -164,6 +168,7 @@ class OffloadCoordinator:
                 break
             chosen.append((off, chunk))
             remaining -= chunk.nbytes
+            self._freed_at[id(chunk)] = position
         freed = sum(off.free(chunks) for off, chunks in _by_offloader(chosen))
         self._freed_this_iter += freed
         if freed and not self._chunks(ChunkState.COPYING_OUT):
@@ -171,9 +176,21 @@ class OffloadCoordinator:
             self._trace("offloaded")
         return freed
 
-    def _reload_up_to(self, ceiling: Optional[int]) -> int:
-        """Start H2D for OFFLOADED chunks while allocated + their bytes stays <= ceiling."""
+    def _reload_up_to(self, ceiling: Optional[int], position: Optional[int] = None) -> int:
+        """Start H2D for OFFLOADED chunks while allocated + their bytes stays <= ceiling.
+
+        `position`: the backward has finished every pacing module after this one. A chunk freed
+        before module h is then only eligible once h > position, i.e. once the activations that
+        may have been placed in its memory (those of modules h, h+1, ...) are released. Reloading
+        earlier, by `allocated` alone, finds enough free bytes but not in one piece: the caching
+        allocator then creates a new segment and *reserved* memory grows by the chunk while
+        allocated looks fine (measured on R1: +4.5 GiB reserved). Latest-freed chunks come back
+        first, mirroring the order in which the backward releases memory.
+        """
         todo = self._chunks(ChunkState.OFFLOADED)
+        if position is not None:
+            todo = [(off, c) for off, c in todo if _after(self._freed_at.get(id(c)), position)]
+            todo.sort(key=lambda pair: -_rank(self._freed_at.get(id(pair[1]))))
         if not todo:
             return 0
         allocated = self._allocated() if ceiling is not None else 0
@@ -193,16 +210,28 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     # Training-loop lifecycle
     # ------------------------------------------------------------------------------------------
+    def start_pending_copy_out(self) -> None:
+        """Enqueue the copy-out of the last step (normally done by the next forward)."""
+        for off in self._copy_out_due:
+            off.start_copy_out()
+            self._trace(f"copy_out:{off.name}")
+        self._copy_out_due.clear()
+        if self._chunks(ChunkState.COPYING_OUT):
+            self.phase = Phase.FREEING
+
     def forward_begin(self, training: bool = True) -> None:
+        # Any forward (training or evaluation) may need the memory: start the copy-out now.
+        self.start_pending_copy_out()
         if not training:
             # Evaluation forwards need the memory too, but do not count as microbatches.
             self._free_until(0)
             return
         first = self._train_forwards == 0
         self._train_forwards += 1
+        self._position = 0
         if not first:
             return
-        self._layer_index = 0
+        self._freed_at.clear()
         self._freed_this_iter = 0
         self._fwd_end_max = 0
         self._sampling = bool(self._chunks(ChunkState.COPYING_OUT)) or self.peak_growth is None
@@ -215,10 +244,12 @@ class OffloadCoordinator:
         return self._allocated() - self._a0 + self._freed_this_iter
 
     def _on_layer_forward(self, module, args) -> None:
-        if not self._sampling or not torch.is_grad_enabled():
+        if self._train_forwards == 0 or not torch.is_grad_enabled() or _in_backward():
+            return  # (a recomputation inside the backward does not count)
+        h = self._position
+        self._position += 1
+        if not self._sampling:
             return
-        h = self._layer_index
-        self._layer_index += 1
         growth = self._growth()
         if h < len(self.profile):
             self.profile[h] = max(self.profile[h], growth)
@@ -234,14 +265,17 @@ class OffloadCoordinator:
             else:
                 upcoming = self.profile_end if self.profile_end is not None else self.peak_growth
             budget = max(0, self.peak_growth - upcoming - self.margin_bytes)
-        self._free_until(budget)
+        self._free_until(budget, position=h)
 
     def _on_layer_output(self, module, args, output) -> None:
         if self._train_forwards == 0 or not torch.is_grad_enabled() or self.phase is Phase.NO_STATE:
             return
         tensor = _first_grad_tensor(output)
         if tensor is not None:
-            tensor.register_hook(self._on_layer_backward)
+            # The gradient of module h's output exists when every module after h finished its
+            # backward. Unknown position inside a recomputation (see _on_layer_forward).
+            position = None if _in_backward() else self._position - 1
+            tensor.register_hook(lambda grad, p=position: self._on_layer_backward(grad, p))
 
     def forward_end(self) -> None:
         if self._train_forwards == 0:
@@ -251,7 +285,7 @@ class OffloadCoordinator:
             self.profile_end = growth if self.profile_end is None else max(self.profile_end, growth)
             self._sampling = False
         # The backward starts now and with it the activation peak: nothing may stay behind.
-        self._free_until(0)
+        self._free_until(0, position=self._position)
         if self.bytes_in(ChunkState.OFFLOADED):
             self._fwd_end_max = max(self._fwd_end_max, self._allocated())
 
@@ -263,11 +297,11 @@ class OffloadCoordinator:
             # No forward will follow: from here on the backwards only release activations.
             self._window_open = True
             self._trace("reload_window")
-            self._reload_up_to(self._fwd_end_max)
+            self._reload_up_to(self._fwd_end_max, position=self._position)
 
-    def _on_layer_backward(self, grad):
+    def _on_layer_backward(self, grad, position: Optional[int] = None):
         if self._window_open and self.bytes_in(ChunkState.OFFLOADED):
-            self._reload_up_to(self._fwd_end_max)
+            self._reload_up_to(self._fwd_end_max, position=position)
         return None
 
     def grads_finalizing(self) -> None:
@@ -314,14 +348,19 @@ class OffloadCoordinator:
     def optimizer_step_done(self) -> None:
         """After the whole (chained) optimizer step returned, whether it updated or skipped.
 
-        The copy-out starts only here, after the parameter all-gather that follows the inner
-        step has been enqueued: on PCIe hosts the D2H and NCCL share the GPU's link, and the
-        all-gather is on the critical path while the copy-out has the whole next forward.
+        The copy-out is only *scheduled* here; it is enqueued when the next forward begins
+        (`start_pending_copy_out`). Why not now: a GPU's copy engine runs the copies given to it
+        in order, and the training loop reads small results to the host right after the step
+        (the loss, logging). Each such read is a D2H copy too; queued behind ~100 ms of
+        optimizer state it blocks the host for all of it, and with the host blocked the next
+        iteration is not enqueued: measured on R1, the GPU idled ~165 ms per iteration. By the
+        first forward those reads are done, and nothing is lost: the copy-out only has to
+        finish before the forward's first free. (Also after the parameter all-gather: on PCIe
+        hosts the D2H and NCCL share the GPU's link.)
         """
         for off in self.offloaders:
             if id(off) in self._stepped:
-                off.start_copy_out()
-                self._trace(f"copy_out:{off.name}")
+                self._copy_out_due.append(off)
             else:
                 # Skipped step (inf/nan, grad-norm threshold) or a stub: the reload may be in
                 # flight and the state unchanged. Make it whole and send it back out; the host
@@ -332,7 +371,7 @@ class OffloadCoordinator:
         self._stepped.clear()
         self._train_forwards = 0
         self._window_open = False
-        if self._chunks(ChunkState.COPYING_OUT):
+        if self._chunks(ChunkState.COPYING_OUT) or self._copy_out_due:
             self.phase = Phase.FREEING
         self._trace("step_done")
 
@@ -341,6 +380,9 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
         self._suspended += 1
+        if off in self._copy_out_due:
+            # Still resident and stepped; `after_state_access` sends it out.
+            self._copy_out_due.remove(off)
         off.make_resident(will_modify=will_modify)
 
     def offload_existing_state(self, materialize: bool = True) -> None:
@@ -409,6 +451,20 @@ def _by_offloader(pairs):
     for off, chunk in pairs:
         grouped.setdefault(id(off), (off, []))[1].append(chunk)
     return list(grouped.values())
+
+
+def _after(freed_at: Optional[int], position: int) -> bool:
+    """Chunk freed before module `freed_at` is eligible once the backward finished it."""
+    return freed_at is None or freed_at > position
+
+
+def _rank(freed_at: Optional[int]) -> float:
+    return float("inf") if freed_at is None else freed_at
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. recomputing a checkpointed layer)."""
+    return torch._C._current_autograd_node() is not None
 
 
 def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:

@@ -173,13 +173,19 @@ def test_lifecycle_order_and_bytes_moved():
     one_iteration(opt, coord, 1)
     ev = coord.events
     # Without a memory model the window cannot reload anything: finalize is the fallback trigger.
+    # The previous step's copy-out is enqueued when this iteration's forward begins, not at the
+    # end of the step (host reads of the loss must not queue behind it on the copy engine).
     order = [ev.index(name) for name in
-             ("forward_begin", "offloaded", "reload_window", "grads_finalizing", "reload_start",
-              "step_begin:optimizer", "copy_out:optimizer", "step_done")]
+             ("copy_out:optimizer", "forward_begin", "offloaded", "reload_window", "grads_finalizing",
+              "reload_start", "step_begin:optimizer", "step_done")]
     assert order == sorted(order), ev
+    assert ev.count("copy_out:optimizer") == 1, ev
     stats = coord.streams.stats
-    assert stats.cumulative_d2h_bytes == 2 * coord.gpu_bytes
+    # Step 0's state went out in iteration 1; step 1's copy-out waits for the next forward.
+    assert stats.cumulative_d2h_bytes == coord.gpu_bytes
     assert stats.cumulative_h2d_bytes == coord.gpu_bytes
+    coord.start_pending_copy_out()
+    assert stats.cumulative_d2h_bytes == 2 * coord.gpu_bytes
 
 
 def test_skipped_step_reuses_host_copy_and_keeps_results():
@@ -189,6 +195,7 @@ def test_skipped_step_reuses_host_copy_and_keeps_results():
     for step in range(5):
         skip = step in (2, 3)
         one_iteration(ref, None, step, skip=skip)
+        coord.start_pending_copy_out()  # the previous step's, normally enqueued by the forward
         d2h_before = coord.streams.stats.cumulative_d2h_bytes
         one_iteration(opt, coord, step, skip=skip)
         if skip:
@@ -243,6 +250,8 @@ def test_two_optimizers_share_streams_and_stay_exact():
         one_iteration(Chain(opts), coord, step)
         for r, o in zip(refs, opts):
             assert_bitwise_equal(snapshot(r), snapshot(o))
+    assert coord.bytes_in(ChunkState.RESIDENT) == coord.gpu_bytes  # copy-out due at next forward
+    coord.start_pending_copy_out()
     assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.gpu_bytes
 
 
@@ -371,9 +380,9 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
             coord.backward_begin()
         mem.act -= logits_bytes
         mem.allocated()
-        for h in range(LAYERS):
+        for h in reversed(range(LAYERS)):
             if coord:
-                coord._on_layer_backward(None)
+                coord._on_layer_backward(None, h)  # the gradient of layer h's output is ready
             mem.act -= layer_bytes
             mem.allocated()
     if coord:
@@ -426,8 +435,8 @@ def test_reload_starts_in_last_backward_within_budget():
     simulated_iteration(opt, coord, mem, 2, layer_bytes, logits_bytes)
     ev = coord.events
     order = [ev.index(name) for name in
-             ("forward_begin", "offloaded", "reload_window", "reload_start", "grads_finalizing",
-              "step_begin:optimizer", "copy_out:optimizer", "step_done")]
+             ("copy_out:optimizer", "forward_begin", "offloaded", "reload_window", "reload_start",
+              "grads_finalizing", "step_begin:optimizer", "step_done")]
     assert order == sorted(order), ev
     # Nothing reloaded during the first microbatch's backward (another forward follows it).
     assert ev.index("reload_window") > ev.index("forward_begin")
@@ -534,3 +543,37 @@ def test_wrapped_checkpoint_methods_see_resident_state_and_resend_it():
     coord.grads_finalizing()
     coord._before_inner_step(off)
     assert all(torch.all(t == 0.25) for t in replaced)
+
+
+def test_reload_waits_until_the_backward_released_what_reused_the_chunk():
+    """A chunk freed before layer h may hold activations of layers h, h+1, ...: reloading it
+    before their backward finished makes the caching allocator grow a new segment. Every reload
+    in the backward must come after the layers that ran after its free."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated,
+                       max_memory_allocated=mem.max_allocated)
+    coord.add_optimizer(opt)
+    reloads = []
+    original = coord._reload_up_to
+
+    def recording_reload(ceiling, position=None):
+        before = {id(c) for _, c in coord._chunks(ChunkState.OFFLOADED)}
+        moved = original(ceiling, position)
+        after = {id(c) for _, c in coord._chunks(ChunkState.OFFLOADED)}
+        for cid in before - after:
+            reloads.append((position, ceiling is None, coord._freed_at.get(cid)))
+        return moved
+
+    coord._reload_up_to = recording_reload
+    for step in range(5):
+        reloads.clear()
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    in_backward = [(p, h) for p, forced, h in reloads if not forced]
+    assert in_backward, reloads  # the window reloads some chunks early ...
+    assert all(h is not None and h > p for p, h in in_backward), reloads  # ... never too early
+    # Latest-freed chunks return first.
+    assert [h for _, h in in_backward] == sorted((h for _, h in in_backward), reverse=True), reloads
