@@ -39,6 +39,7 @@ VARIANTS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],
     "offload-chunk64": ["--offload-optimizer-states", "--offload-chunk-size-mb", "64"],
+    "offload-chunk128": ["--offload-optimizer-states", "--offload-chunk-size-mb", "128"],
     "offload-piece32": ["--offload-optimizer-states", "--offload-copy-piece-mb", "32"],
     "recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"],
