@@ -27,8 +27,10 @@ The coordinator imports nothing from `megatron.training`; any training loop can 
 
 from __future__ import annotations
 
+import bisect
 import enum
 import logging
+import time
 from typing import Callable, Iterable, List, Optional
 
 import torch
@@ -63,6 +65,7 @@ class OffloadCoordinator:
         timing: bool = True,
         announce: Optional[Callable[[str], None]] = None,
         copy_piece_bytes: int = 0,
+        free_block_sizes: Optional[Callable[[], List[int]]] = None,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -74,6 +77,14 @@ class OffloadCoordinator:
         self.expected_forwards = expected_forwards_per_iteration
         self._allocated = memory_allocated or _allocator_stat(self.device, "current")
         self._max_allocated = max_memory_allocated or _allocator_stat(self.device, "peak")
+        # Sizes of the caching allocator's free blocks that a reload on the compute stream could
+        # use without a new segment (None: no such check, e.g. on CPU).
+        self._free_block_sizes = free_block_sizes
+        if self._free_block_sizes is None and self.device.type == "cuda" and memory_allocated is None:
+            self._free_block_sizes = _free_block_reader(self.device, self.streams.compute)
+        self.fit_checks = 0  # calls of _free_block_sizes, and their host time
+        self.fit_check_ms = 0.0
+        self.reloads_deferred_for_fit = 0
         self.offloaders: List[OptimizerStateOffloader] = []
         self.phase = Phase.NO_STATE
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
@@ -200,12 +211,40 @@ class OffloadCoordinator:
                 break
             chosen.append((off, chunk))
             allocated += chunk.nbytes
+        if ceiling is not None and chosen and self._free_block_sizes is not None:
+            chosen = self._fitting(chosen)
         moved = sum(off.start_copy_in(chunks) for off, chunks in _by_offloader(chosen))
         if moved:
             if self.phase is not Phase.RELOADING:
                 self._trace("reload_start")
             self.phase = Phase.RELOADING
         return moved
+
+    def _fitting(self, chosen):
+        """The leading chunks of `chosen` that fit the allocator's free blocks as they are now.
+
+        Enough free *bytes* (the ceiling above) is not enough: the caching allocator never
+        merges blocks across segments, so a chunk that fits no single free block gets a new
+        segment and reserved memory grows for good. The blocks are assigned best-fit, as the
+        allocator would. A chunk left out is retried at the next backward hook; the fallback in
+        `grads_finalizing` reloads whatever is left, when the backward has released everything.
+        """
+        start = time.perf_counter()
+        blocks = sorted(self._free_block_sizes())
+        self.fit_checks += 1
+        self.fit_check_ms += (time.perf_counter() - start) * 1e3
+        fitted = []
+        for off, chunk in chosen:
+            need = (chunk.nbytes + 511) // 512 * 512  # the allocator's rounding of large requests
+            i = bisect.bisect_left(blocks, need)
+            if i == len(blocks):
+                self.reloads_deferred_for_fit += len(chosen) - len(fitted)
+                break
+            rest = blocks.pop(i) - need
+            if rest > 0:
+                bisect.insort(blocks, rest)
+            fitted.append((off, chunk))
+        return fitted
 
     # ------------------------------------------------------------------------------------------
     # Training-loop lifecycle
@@ -465,6 +504,28 @@ def _rank(freed_at: Optional[int]) -> float:
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward (e.g. recomputing a checkpointed layer)."""
     return torch._C._current_autograd_node() is not None
+
+
+def _free_block_reader(device: torch.device, stream) -> Optional[Callable[[], List[int]]]:
+    """Reader of the free blocks of the caching allocator on `stream` (large pool only: chunks
+    are > 1 MiB). Built on the allocator snapshot, which costs ~1 ms (counted in fit_check_ms);
+    called only in the reload window while chunks wait."""
+    if not hasattr(torch.cuda, "memory_snapshot"):
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream_id = stream.cuda_stream
+
+    def sizes() -> List[int]:
+        free = []
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device") != index or seg.get("stream") != stream_id:
+                continue
+            if seg.get("segment_type") != "large":
+                continue
+            free.extend(b["size"] for b in seg["blocks"] if b["state"] == "inactive")
+        return free
+
+    return sizes
 
 
 def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:

@@ -63,6 +63,9 @@ def summarize(run, warmup):
         "losses": [it["loss"] for it in ranks[-1]["iterations"]],
         "timeline": ranks[0].get("timeline"),
         "transfer": ranks[0].get("transfer"),
+        "fit_checks": [r.get("fit_checks") for r in ranks],
+        "fit_check_ms": [r.get("fit_check_ms") for r in ranks],
+        "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
         "startup_and_run_s": run["seconds"],
     }
 
@@ -154,7 +157,9 @@ def main(argv=None):
             notes.append(f"{name}: achieved D2H {t['d2h_gbps']:.1f} GB/s ({t['d2h_gbps'] / ceilings['d2h_gbps']:.0%} of "
                   f"ceiling), H2D {t['h2d_gbps']:.1f} GB/s ({t['h2d_gbps'] / ceilings['h2d_gbps']:.0%}); exposed "
                   f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
-                  f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms")
+                  f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms; free-block checks "
+                  f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all), reloads deferred "
+                  f"for fit {r['reloads_deferred_for_fit'][0]}")
         print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {frac:.3f} | "

@@ -381,6 +381,9 @@ class Recorder:
                     "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,
                     "cumulative_h2d_bytes": coord.streams.stats.cumulative_h2d_bytes,
                     "lifecycle_tail": coord.events[-12:],
+                    "fit_checks": coord.fit_checks,
+                    "fit_check_ms": coord.fit_check_ms,
+                    "reloads_deferred_for_fit": coord.reloads_deferred_for_fit,
                 }
         except ImportError:
             pass

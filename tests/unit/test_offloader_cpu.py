@@ -577,3 +577,31 @@ def test_reload_waits_until_the_backward_released_what_reused_the_chunk():
     assert all(h is not None and h > p for p, h in in_backward), reloads  # ... never too early
     # Latest-freed chunks return first.
     assert [h for _, h in in_backward] == sorted((h for _, h in in_backward), reverse=True), reloads
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
+    """Free bytes are not enough: without a single free block of the chunk's size the caching
+    allocator would add a segment, so the reload waits (finally for grads_finalizing)."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    blocks = []
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated,
+                       max_memory_allocated=mem.max_allocated, free_block_sizes=lambda: list(blocks))
+    coord.add_optimizer(opt)
+    for step in range(4):
+        largest = max(c.nbytes for c in coord.offloaders[0].chunks) if coord.offloaders[0].chunks else 0
+        blocks[:] = [10 * largest] if fits else []  # no single free block at all
+        coord.events.clear()
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    ev = coord.events
+    assert coord.fit_checks > 0
+    if fits:
+        assert ev.index("reload_start") < ev.index("grads_finalizing"), ev
+        assert coord.reloads_deferred_for_fit == 0
+    else:
+        assert ev.index("reload_start") > ev.index("grads_finalizing"), ev
+        assert coord.reloads_deferred_for_fit > 0
