@@ -1,0 +1,67 @@
+"""Where did reserved memory grow? Reads the allocator history that scripts/pretrain_gpt_mock.py
+writes with MEGATRON_OFFLOAD_MEMHIST=<N> (memhist_rank0.npz; the benchmark's `@memhist` modifier)
+and lists every new segment after start-up with the iteration phase and the allocation that
+needed it, plus the largest allocations (chunks) freed and re-allocated per iteration.
+
+    python scripts/alloc_trace.py memhist_rank0.npz [--min-mib 100] [--chunks]
+
+Needs only numpy (runs anywhere, no GPU).
+"""
+
+import argparse
+
+import numpy as np
+
+MIB, GIB = 2**20, 2**30
+
+
+def load(path):
+    d = np.load(path)
+    actions = [str(a) for a in d["actions"]]
+    return {"action": np.array([actions[i] for i in d["action"]]), "size": d["size"], "addr": d["addr"]}
+
+
+def phase_labels(trace):
+    """Label of every event: the last marker allocation (512 * (1000 + 4 * iteration + k)) seen."""
+    names = ("begin", "step_begin", "step_end", "?")
+    labels, current = [], "startup"
+    for action, size in zip(trace["action"], trace["size"]):
+        code = size // 512 - 1000
+        if action == "alloc" and size % 512 == 0 and 0 <= code < 4 * 10_000 and size < MIB:
+            current = f"iteration {code // 4} {names[code % 4]}"
+        labels.append(current)
+    return labels
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("npz")
+    p.add_argument("--min-mib", type=float, default=100.0, help="segments smaller than this are not listed")
+    p.add_argument("--chunks", action="store_true", help="also list allocations/frees >= --min-mib after start-up")
+    o = p.parse_args()
+    trace = load(o.npz)
+    labels = phase_labels(trace)
+    allocated = reserved = peak = 0
+    for i, (action, size, addr) in enumerate(zip(trace["action"], trace["size"], trace["addr"])):
+        if action == "alloc":
+            allocated += size
+        elif action == "free_completed":
+            allocated -= size
+        elif action in ("segment_alloc", "segment_map"):
+            reserved += size
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= size
+        peak = max(peak, reserved)
+        late = labels[i] != "startup"
+        if late and action in ("segment_alloc", "segment_map") and size >= o.min_mib * MIB:
+            wanted = trace["size"][i + 1] if i + 1 < len(trace["size"]) else 0
+            print(f"#{i:7d} {labels[i]:24s} new segment {size / MIB:8.1f} MiB for a {wanted / MIB:.1f} MiB "
+                  f"request: reserved {reserved / GIB:6.2f} GiB, allocated {allocated / GIB:6.2f} GiB")
+        elif late and o.chunks and action in ("alloc", "free_completed") and size >= o.min_mib * MIB:
+            print(f"#{i:7d} {labels[i]:24s} {action:14s} {size / MIB:8.1f} MiB at {addr:#x}, "
+                  f"allocated {allocated / GIB:6.2f} GiB")
+    print(f"peak reserved in the trace: {peak / GIB:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
