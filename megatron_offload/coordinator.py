@@ -162,7 +162,7 @@ class OffloadCoordinator:
 
     @property
     def gpu_bytes(self) -> int:
-        """GPU bytes of all chunk buffers (state plus alignment padding)."""
+        """GPU bytes of all chunk buffers (state plus alignment and slot padding)."""
         return self.bytes_in(*ChunkState)
 
     @property
@@ -174,13 +174,13 @@ class OffloadCoordinator:
         `position`: the pacing module about to run (activations from it on may reuse the
         memory); None when unknown (evaluation)."""
         pending = self._chunks(ChunkState.COPYING_OUT)
-        remaining = sum(c.nbytes for _, c in pending)
+        remaining = sum(c.gpu_nbytes for _, c in pending)
         chosen = []
         for off, chunk in pending:
             if remaining <= budget:
                 break
             chosen.append((off, chunk))
-            remaining -= chunk.nbytes
+            remaining -= chunk.gpu_nbytes
             self._freed_at[id(chunk)] = position
         freed = sum(off.free(chunks) for off, chunks in _by_offloader(chosen))
         self._freed_this_iter += freed
@@ -211,10 +211,10 @@ class OffloadCoordinator:
         allocated = self._allocated() if ceiling is not None else 0
         chosen = []
         for off, chunk in todo:
-            if ceiling is not None and allocated + chunk.nbytes > ceiling:
+            if ceiling is not None and allocated + chunk.gpu_nbytes > ceiling:
                 break
             chosen.append((off, chunk))
-            allocated += chunk.nbytes
+            allocated += chunk.gpu_nbytes
         if ceiling is not None and chosen and self._free_block_sizes is not None:
             chosen = self._fitting(chosen)
         moved = sum(off.start_copy_in(chunks) for off, chunks in _by_offloader(chosen))
@@ -239,7 +239,7 @@ class OffloadCoordinator:
         self.fit_check_ms += (time.perf_counter() - start) * 1e3
         fitted = []
         for off, chunk in chosen:
-            need = (chunk.nbytes + 511) // 512 * 512  # the allocator's rounding of large requests
+            need = (chunk.gpu_nbytes + 511) // 512 * 512  # the allocator's rounding of large requests
             i = bisect.bisect_left(blocks, need)
             if i == len(blocks):
                 self.reloads_deferred_for_fit += len(chosen) - len(fitted)

@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 # Tensors start on this boundary inside a chunk buffer (vectorised kernels want >= 16 bytes).
 TENSOR_ALIGNMENT = 256
+# The caching allocator rounds requests of 10 MiB and more up to 2 MiB (smaller ones to 512 B);
+# chunk slots use the same granularity.
+SLOT_ALIGNMENT = 2 * 2**20
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -62,9 +65,10 @@ class Chunk:
         self.index = index
         self.tensors = tensors
         self.offsets = offsets  # of each tensor inside `buffer`
-        self.nbytes = nbytes  # buffer size, alignment padding included
-        self.buffer: Optional[torch.Tensor] = None  # uint8, on the device
-        self.host: Optional[torch.Tensor] = None  # uint8 view of the pinned host buffer
+        self.nbytes = nbytes  # packed bytes (alignment padding included): what is copied and kept on the host
+        self.gpu_nbytes = nbytes  # GPU buffer size: the offloader's common slot size (>= nbytes)
+        self.buffer: Optional[torch.Tensor] = None  # uint8, `gpu_nbytes` on the device
+        self.host: Optional[torch.Tensor] = None  # uint8 view of the pinned host buffer, `nbytes`
         self.state = ChunkState.RESIDENT
         # The copy that must finish before the GPU storage may be freed (COPYING_OUT) or read
         # (COPYING_IN). None when no copy is in flight.
@@ -74,8 +78,13 @@ class Chunk:
     def state_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
+    @property
+    def packed(self) -> torch.Tensor:
+        """The bytes that hold state: the first `nbytes` of the (allocated) GPU buffer."""
+        return self.buffer[: self.nbytes]
+
     def __repr__(self):
-        return f"Chunk({self.index}, {self.nbytes} B, {self.state.value})"
+        return f"Chunk({self.index}, {self.nbytes}/{self.gpu_nbytes} B, {self.state.value})"
 
 
 class OptimizerStateOffloader:
@@ -141,14 +150,18 @@ class OptimizerStateOffloader:
         """
         assert all(c.state is ChunkState.RESIDENT for c in self.chunks), self.chunks
         self.discovery = find_state_tensors(self.dist_opt, self.device)
+        # A tensor larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
+        # below) that every chunk is padded to: fill the others up to that size too, so that the
+        # padding stays small.
+        target = max([self.chunk_bytes] + [align_up(st.nbytes, TENSOR_ALIGNMENT) for st in self.discovery.tensors])
         groups: List[List[StateTensor]] = [[]]
         group_bytes = 0
         for st in self.discovery.tensors:
-            if groups[-1] and group_bytes + st.nbytes > self.chunk_bytes:
+            if groups[-1] and group_bytes + st.nbytes > target:
                 groups.append([])
                 group_bytes = 0
             groups[-1].append(st)
-            group_bytes += st.nbytes
+            group_bytes = align_up(group_bytes + st.nbytes, TENSOR_ALIGNMENT)
         chunks: List[Chunk] = []
         for tensors in groups:
             if not tensors:
@@ -158,6 +171,16 @@ class OptimizerStateOffloader:
                 offsets.append(nbytes)
                 nbytes = align_up(nbytes + st.nbytes, TENSOR_ALIGNMENT)
             chunks.append(Chunk(len(chunks), tensors, offsets, nbytes))
+        # Every GPU buffer gets the size of the largest chunk (host copies stay exact). The caching
+        # allocator never merges blocks of different segments: a chunk reloaded into the block
+        # another, smaller chunk left behind leaves that one with no block of its size, and it
+        # gets a new segment, i.e. *reserved* memory grows although allocated memory did not
+        # (measured on R1 with 480 and 512 MiB chunks: new 512 MiB segments at every reload).
+        # With one slot size any freed chunk block takes any chunk.
+        slot = max((c.nbytes for c in chunks), default=0)
+        slot = align_up(slot, SLOT_ALIGNMENT if slot >= 10 * 2**20 else 512)
+        for chunk in chunks:
+            chunk.gpu_nbytes = slot
         # Drop our references to the previous chunk buffers, so that each one is released as soon
         # as its last tensor has been re-pointed into a new chunk.
         for old in self.chunks:
@@ -178,7 +201,7 @@ class OptimizerStateOffloader:
             self.host = PinnedHostBuffer(host_bytes, pin=self.device.type == "cuda")
         base = 0
         for chunk in chunks:
-            chunk.host = self.host.view(base, chunk.buffer)
+            chunk.host = self.host.view(base, chunk.packed)
             base += chunk.nbytes
         self.chunks = chunks
         self.host_valid = False
@@ -225,7 +248,7 @@ class OptimizerStateOffloader:
     def _pack(chunk: Chunk) -> None:
         """Copy the chunk's tensors into one new buffer and point them there."""
         device = chunk.tensors[0].tensor.device
-        chunk.buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=device)
+        chunk.buffer = torch.empty(chunk.gpu_nbytes, dtype=torch.uint8, device=device)
         for st, offset in zip(chunk.tensors, chunk.offsets):
             t = st.tensor
             view = chunk.buffer[offset : offset + st.nbytes].view(t.dtype).view(t.shape)
@@ -246,7 +269,7 @@ class OptimizerStateOffloader:
 
     def bytes_in(self, *states: ChunkState) -> int:
         """GPU bytes (chunk buffers, padding included) of the chunks in `states`."""
-        return sum(c.nbytes for c in self.chunks if c.state in states)
+        return sum(c.gpu_nbytes for c in self.chunks if c.state in states)
 
     def chunks_in(self, *states: ChunkState) -> List[Chunk]:
         return [c for c in self.chunks if c.state in states]
@@ -275,7 +298,7 @@ class OptimizerStateOffloader:
             s.d2h_wait_for_compute()
             timer = s.stats.start_copy(stream, "d2h")
             for chunk in resident:
-                self._copy_pieces(chunk.host, chunk.buffer)
+                self._copy_pieces(chunk.host, chunk.packed)
                 chunk.ready = s.record(stream)
                 chunk.state = ChunkState.COPYING_OUT
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in resident))
@@ -311,7 +334,7 @@ class OptimizerStateOffloader:
             chunk.buffer.untyped_storage().resize_(0)
             chunk.state = ChunkState.OFFLOADED
             chunk.ready = None
-            freed += chunk.nbytes
+            freed += chunk.gpu_nbytes
         return freed
 
     def start_copy_in(self, chunks: List[Chunk]) -> int:
@@ -325,18 +348,18 @@ class OptimizerStateOffloader:
             # our writes after them.
             for chunk in chunks:
                 assert chunk.state is ChunkState.OFFLOADED, chunk
-                chunk.buffer.untyped_storage().resize_(chunk.nbytes)
+                chunk.buffer.untyped_storage().resize_(chunk.gpu_nbytes)
         with s.on_h2d() as stream:
             # Why: the new storage may be memory the compute stream freed a moment ago (on the
             # host) but whose last reader is still queued on the GPU.
             s.h2d_wait_for_compute()
             timer = s.stats.start_copy(stream, "h2d")
             for chunk in chunks:
-                self._copy_pieces(chunk.buffer, chunk.host)
+                self._copy_pieces(chunk.packed, chunk.host)
                 chunk.ready = s.record(stream)
                 chunk.state = ChunkState.COPYING_IN
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in chunks))
-        return sum(c.nbytes for c in chunks)
+        return sum(c.gpu_nbytes for c in chunks)
 
     def make_resident(self, will_modify: bool) -> None:
         """Every chunk -> RESIDENT (or COPYING_OUT, see below), with the compute stream ordered

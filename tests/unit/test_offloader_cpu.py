@@ -156,11 +156,41 @@ def test_host_buffer_exact_size_and_reused():
     off = coord.add_optimizer(opt)
     one_iteration(opt, coord, 0)
     host = off.host
-    assert host.nbytes == sum(c.nbytes for c in off.chunks) == coord.gpu_bytes
+    assert host.nbytes == sum(c.nbytes for c in off.chunks) == coord.pinned_bytes
     assert host.nbytes - off.state_bytes < TENSOR_ALIGNMENT * len(off.discovery.tensors)
     for step in range(1, 4):
         one_iteration(opt, coord, step)
     assert off.host is host  # allocated once, reused every step
+
+
+def test_every_chunk_buffer_has_one_slot_size_and_the_host_copy_is_exact():
+    """Chunks of different packed sizes get GPU buffers of one size, so that the block any chunk
+    frees takes any other chunk (the caching allocator never merges blocks across segments)."""
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    for step in range(3):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    assert len({c.nbytes for c in off.chunks}) > 1, off.chunks  # the case this is about
+    slot = off.chunks[0].gpu_nbytes
+    assert slot == max(c.nbytes for c in off.chunks)
+    coord.start_pending_copy_out()
+    for chunk in off.chunks:
+        assert chunk.gpu_nbytes == slot
+        assert chunk.host.numel() == chunk.nbytes
+    assert coord.gpu_bytes == slot * len(off.chunks)
+    assert off.pinned_bytes == sum(c.nbytes for c in off.chunks)
+    freed = coord._free_until(0)
+    assert freed == coord.gpu_bytes and all(storage_bytes(c.buffer) == 0 for c in off.chunks)
+    coord.grads_finalizing()  # reload, padding untouched by the copies
+    for chunk in off.chunks:
+        assert storage_bytes(chunk.buffer) == slot
+    make_grads(opt.all_params(), 3)
+    opt.step()
+    make_grads(ref.all_params(), 3)
+    ref.step()
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
 def test_lifecycle_order_and_bytes_moved():
@@ -182,10 +212,11 @@ def test_lifecycle_order_and_bytes_moved():
     assert ev.count("copy_out:optimizer") == 1, ev
     stats = coord.streams.stats
     # Step 0's state went out in iteration 1; step 1's copy-out waits for the next forward.
-    assert stats.cumulative_d2h_bytes == coord.gpu_bytes
-    assert stats.cumulative_h2d_bytes == coord.gpu_bytes
+    # Only the packed bytes move: the slot padding of the GPU buffers never crosses PCIe.
+    assert stats.cumulative_d2h_bytes == coord.pinned_bytes < coord.gpu_bytes
+    assert stats.cumulative_h2d_bytes == coord.pinned_bytes
     coord.start_pending_copy_out()
-    assert stats.cumulative_d2h_bytes == 2 * coord.gpu_bytes
+    assert stats.cumulative_d2h_bytes == 2 * coord.pinned_bytes
 
 
 def test_skipped_step_reuses_host_copy_and_keeps_results():
@@ -591,7 +622,7 @@ def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
                        max_memory_allocated=mem.max_allocated, free_block_sizes=lambda: list(blocks))
     coord.add_optimizer(opt)
     for step in range(4):
-        largest = max(c.nbytes for c in coord.offloaders[0].chunks) if coord.offloaders[0].chunks else 0
+        largest = max(c.gpu_nbytes for c in coord.offloaders[0].chunks) if coord.offloaders[0].chunks else 0
         blocks[:] = [10 * largest] if fits else []  # no single free block at all
         coord.events.clear()
         simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
