@@ -45,7 +45,17 @@ VARIANTS = {
                   "--recompute-num-layers", "1"],
     "recompute+offload": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                           "--recompute-num-layers", "1", "--offload-optimizer-states"],
+    # The alternatives users pick today (issue 3):
+    # HybridDeviceOptimizer: Adam on the CPU for all params, its copies overlapped.
+    "cpu-offload": ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--optimizer-offload-fraction",
+                    "1.0", "--overlap-cpu-optimizer-d2h-h2d"],
+    # Megatron's own restore_from_cpu() / offload_to_cpu() around every optimizer step
+    # (scripts/pretrain_gpt_mock.py, MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP).
+    "native-offload": [],
 }
+VARIANT_ENV = {"native-offload": {"MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP": "1"}}
+# Variants several times slower than the baseline run fewer iterations (their median needs fewer).
+MAX_ITERS = {"cpu-offload": 14, "native-offload": 10}
 
 
 def summarize(run, warmup):
@@ -133,24 +143,37 @@ def main(argv=None):
     for name in opts.variants.split(","):
         variant, *mods = name.split("@")
         env = dict(env_extra)
+        env.update(VARIANT_ENV.get(variant, {}))
         for mod in mods:
             env.update(MODIFIERS[mod])
-        run = launch(name, base + VARIANTS[variant], opts.nproc, opts.out, env_extra=env)
-        results[name] = summarize(run, opts.warmup)
+        iters = min(opts.iters, MAX_ITERS.get(variant, opts.iters))
+        warmup = min(opts.warmup, iters // 2)
+        args = (base if iters == opts.iters else model_args(iters, **PRESETS[opts.preset]) + opts.extra.split())
+        run = launch(name, args + VARIANTS[variant], opts.nproc, opts.out, env_extra=env)
+        results[name] = summarize(run, warmup)
+        results[name]["iterations_timed"] = f"{warmup + 1}-{iters}"
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)
         with open(os.path.join(opts.out, "benchmark.json"), "w") as f:  # partial, in case of a time-out
             json.dump({"partial": True, "ceilings": ceilings, "results": results}, f, indent=1)
-    ref = results.get("baseline")
-    print(f"\npreset {opts.preset}, {opts.nproc} GPUs, iterations {opts.warmup + 1}-{opts.iters}, rank 0 unless noted")
+    def reference(name):
+        """The baseline run under the same environment modifiers, else the plain baseline."""
+        mods = name.split("@")[1:]
+        return results.get("@".join(["baseline", *mods])) or results.get("baseline")
+
+    print(f"\npreset {opts.preset}, {opts.nproc} GPUs, iterations {opts.warmup + 1}-{opts.iters} (fewer for "
+          f"{', '.join(MAX_ITERS)}), rank 0 unless noted; each variant against the baseline with the same '@' modifiers")
     print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | steady max reserved GiB | "
           "reserved saved GiB | offloaded GiB | saved / offloaded | pinned GiB | losses == baseline |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for name, r in results.items():
+        ref = reference(name)
+        r["reference"] = next((k for k, v in results.items() if v is ref), None)
         ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
         saved = (ref["max_reserved_gib"][0] - r["max_reserved_gib"][0]) if ref else float("nan")
         frac = saved / r["offloaded_gib"][0] if r["offloaded_gib"][0] else float("nan")
-        same = (r["losses"] == ref["losses"]) if ref else None
+        n = min(len(r["losses"]), len(ref["losses"])) if ref else 0
+        same = (r["losses"][:n] == ref["losses"][:n]) if ref else None
         r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
         if r.get("transfer") and ceilings:
             t = r["transfer"]

@@ -44,7 +44,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600, env_extra=None):
+def _command(name, args, nproc, out, script, env_extra):
     record = os.path.join(out, name)
     shutil.rmtree(record, ignore_errors=True)
     os.makedirs(record)
@@ -58,6 +58,21 @@ def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeou
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), "-m", "megatron_offload", os.path.join(REPO, script), *args,
     ]
+    return cmd, env, record
+
+
+def launch_expecting_failure(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=300,
+                             env_extra=None):
+    """Run a command that should be refused; returns (exit code, log text, seconds)."""
+    cmd, env, _ = _command(name, args, nproc, out, script, env_extra)
+    start = time.time()
+    with open(os.path.join(out, f"{name}.log"), "w") as log:
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
+    return proc.returncode, open(os.path.join(out, f"{name}.log")).read(), time.time() - start
+
+
+def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600, env_extra=None):
+    cmd, env, record = _command(name, args, nproc, out, script, env_extra)
     start = time.time()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)

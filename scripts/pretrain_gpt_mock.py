@@ -15,6 +15,9 @@ memory (peak stats are reset before each iteration; the peak before the first on
 MEGATRON_OFFLOAD_NO_DIGEST=1). Tests and benchmarks compare those files; the recording adds one
 compute-stream synchronisation per iteration.
 
+With MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP=1 the optimizer step is wrapped in megatron-core's own
+`restore_from_cpu()` / `offload_to_cpu()` (the benchmark's `native-offload` variant).
+
 With MEGATRON_OFFLOAD_MEMHIST=<N>, local rank 0 also records the caching allocator's history from
 start-up to the end of iteration N and writes it compactly to <dir>/memhist_rank<R>.npz (every
 alloc/free/segment event with address, size and stream; marker allocations of
@@ -247,6 +250,18 @@ class Recorder:
 
         def recording_train(forward_step_func, model, optimizer, *a, **k):
             self.model, self.optimizer = model, optimizer
+            if os.environ.get("MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP"):
+                # Megatron's own alternative (benchmark variant `native-offload`): state to the
+                # CPU after every step, synchronously, and back before the next one.
+                step = optimizer.step
+
+                def roundtrip_step(*x, **y):
+                    optimizer.restore_from_cpu()
+                    out = step(*x, **y)
+                    optimizer.offload_to_cpu()
+                    return out
+
+                optimizer.step = roundtrip_step
             out = train(forward_step_func, model, optimizer, *a, **k)
             if self.memhist:
                 self.dump_memhist()
@@ -358,6 +373,19 @@ class Recorder:
                 coord.after_state_access(off, modified=False)
         return params.hexdigest(), state.hexdigest()
 
+    def adam_state_bytes(self):
+        """Bytes of Adam moments and fp32 master shards as the optimizer itself holds them (every
+        state tensor but `step`, plus `shard_fp32_from_float16_groups`), counted independently of
+        the plugin's discovery: what an offloading run should have taken off the GPU."""
+        total = 0
+        for dist_opt in distributed_optimizers(self.optimizer):
+            for state in dist_opt.optimizer.state.values():
+                total += sum(v.numel() * v.element_size() for k, v in state.items()
+                             if isinstance(v, torch.Tensor) and k != "step")
+            for group in getattr(dist_opt, "shard_fp32_from_float16_groups", None) or []:
+                total += sum(t.numel() * t.element_size() for t in group if t is not None)
+        return total
+
     def write(self):
         rank = torch.distributed.get_rank()
         if os.environ.get("MEGATRON_OFFLOAD_NO_DIGEST"):
@@ -399,6 +427,7 @@ class Recorder:
                     "startup_peak": self.startup_peak,
                     "saves": self.saves,
                     "timeline": self.timeline,
+                    "adam_state_bytes": self.adam_state_bytes(),
                     **extra,
                 },
                 f,

@@ -1,66 +1,143 @@
-"""Parallel layouts, each with and without --offload-optimizer-states (issue 5), on 2 and 4 GPUs.
+"""Parallel layouts and checkpoints, each with and without --offload-optimizer-states (issue 5).
 
     python tests/functional/run_matrix.py --out /tmp/matrix [--gpus 4] [--iters 30] [--cases dp2,tp2,...]
 
-Every case runs the same small GPT twice through torchrun (`-m megatron_offload`, mock data,
---deterministic-mode) and checks: losses bit-identical at every iteration, identical final
-parameters and optimizer state on every rank, the state actually moved, and reports offloaded
-bytes and peak reserved memory per rank. Two-GPU cases run side by side on a 4-GPU machine
-(CUDA_VISIBLE_DEVICES pairs). Prints a pass/fail table; writes matrix_summary.json.
+Every layout case runs the same small GPT (or small MoE GPT) twice through torchrun
+(`-m megatron_offload`, mock data, --deterministic-mode) and checks: losses bit-identical at every
+iteration, identical final parameters and optimizer state on every rank, the state moved every
+step, the bytes offloaded equal to the optimizer's own count of its moments and fp32 masters (so
+nothing that should be off stays on the GPU), and peak reserved memory lower. Cases with
+checkpoints add runs that load the case's torch_dist checkpoints (fully parallel save, the
+default) and compare with the uninterrupted run:
 
-Checkpoint interchange (save with/without, resume with/without) lives in run_functional.py.
+  resume_offload    saved with offload, resumed with offload
+  resume_plain      saved with offload, resumed without
+  plain_to_offload  saved without, resumed with offload
+  no_load_optim     --no-load-optim, without and with offload (masters rebuilt from the params)
+  finetune          --finetune, without and with offload (iteration and optimizer start afresh)
+
+`async-save` checks that --async-save is refused at argument validation with the plugin's message.
+Two-GPU cases run side by side on a 4-GPU machine (CUDA_VISIBLE_DEVICES pairs). Prints one line
+per finished case and a pass/fail table; writes matrix_summary.json (after every case).
 """
 
 import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import sys
 import threading
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from megatron_runs import launch, model_args, run_peak  # noqa: E402
+from megatron_runs import launch, launch_expecting_failure, model_args, run_peak  # noqa: E402
 
 SMALL = dict(layers=4, hidden=512, heads=8, seq=512, mbs=2, gbs=16)
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+       "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+       "--moe-aux-loss-coeff", "1e-2"]
 CASES = {
-    # name: (GPUs, extra Megatron args, model overrides)
-    "dp2": (2, [], {}),
-    "tp2": (2, ["--tensor-model-parallel-size", "2"], {}),
-    "pp2": (2, ["--pipeline-model-parallel-size", "2"], {}),
-    "pp2-vpp": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], {}),
-    "ep2-moe": (2, ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
-                    "--moe-token-dispatcher-type", "alltoall"], {}),
-    "overlap": (2, ["--overlap-grad-reduce", "--overlap-param-gather"], {}),
+    # name: (GPUs, extra Megatron args, model overrides, checkpoint runs)
+    "dp2": (2, [], {}, ("no_load_optim", "finetune")),
+    "tp2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], {}, ()),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"], {}, ()),
+    "pp2-vpp": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], {}, ()),
+    # Dense and expert DistributedOptimizers in one ChainedOptimizer.
+    "ep2-moe": (2, MOE, {}, ()),
+    "overlap": (2, ["--overlap-grad-reduce", "--overlap-param-gather"], {}, ()),
     # Dynamic loss scaling from 2**32: the first steps overflow and are skipped.
-    "fp16": (2, [], {"precision": "--fp16"}),
-    "dp4-clip": (4, ["--clip-grad", "0.3"], {}),
+    "fp16": (2, [], {"precision": "--fp16"}, ()),
+    # Checkpoint interchange on the most sharded layout: fully parallel save over 4 DP ranks.
+    "dp4-clip": (4, ["--clip-grad", "0.3"], {}, ("resume_offload", "resume_plain", "plain_to_offload")),
+    "async-save": (2, [], {}, ()),
 }
+OFFLOAD = ["--offload-optimizer-states"]
 
 
 def losses(run):
+    # The loss is reported by the last pipeline stage; with DP every rank of it has it.
     return [it["loss"] for it in run["ranks"][-1]["iterations"]]
 
 
+def run_async_save_case(name, out, env):
+    """--async-save must be refused before anything starts, with the plugin's message."""
+    args = model_args(4, **SMALL) + ["--async-save", "--save", os.path.join(out, f"ckpt_{name}")] + OFFLOAD
+    code, log, seconds = launch_expecting_failure(name, args, CASES[name][0], out, env_extra=env)
+    ok = code != 0 and "--async-save" in log and "megatron-offload refuses" in log
+    first = next((line for line in log.splitlines() if "--async-save" in line), "")
+    return {"case": name, "gpus": CASES[name][0], "seconds": seconds,
+            "checks": [("refused at validation with the plugin's message", ok, f"exit {code}: {first.strip()[:160]}")]}
+
+
 def run_case(name, iters, out, devices):
-    nproc, extra, overrides = CASES[name]
-    base = model_args(iters, **{**SMALL, **overrides}) + ["--deterministic-mode"] + extra
+    nproc, extra, overrides, ckpt_runs = CASES[name]
     env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
-    plain = launch(f"{name}-baseline", base, nproc, out, env_extra=env)
-    offload = launch(f"{name}-offload", base + ["--offload-optimizer-states"], nproc, out, env_extra=env)
+    if name == "async-save":
+        return run_async_save_case(name, out, env)
+    half = iters // 2
+    base = model_args(iters, **{**SMALL, **overrides}) + ["--deterministic-mode"] + extra
+    ck = lambda kind: os.path.join(out, f"ckpt_{name}-{kind}")  # noqa: E731
+    save = (lambda kind: ["--save", ck(kind), "--save-interval", str(half)]) if ckpt_runs else (lambda kind: [])
+    for kind in ("baseline", "offload"):
+        shutil.rmtree(ck(kind), ignore_errors=True)
+    plain = launch(f"{name}-baseline", base + save("baseline"), nproc, out, env_extra=env)
+    offload = launch(f"{name}-offload", base + save("offload") + OFFLOAD, nproc, out, env_extra=env)
     checks = []
+
+    def check(what, ok, detail=""):
+        checks.append((what, bool(ok), detail))
+
     lb, lo = losses(plain), losses(offload)
-    checks.append(("losses bit-identical", lb == lo and len(lb) == iters,
-                   f"{sum(a == b for a, b in zip(lb, lo))}/{len(lb)}"))
+    check("losses bit-identical", lb == lo and len(lb) == iters, f"{sum(a == b for a, b in zip(lb, lo))}/{len(lb)}")
     for r in range(nproc):
         pr, orr = plain["ranks"][r], offload["ranks"][r]
-        checks.append((f"rank {r} params identical", pr["params_sha256"] == orr["params_sha256"], ""))
-        checks.append((f"rank {r} optimizer state identical",
-                       pr["optimizer_state_sha256"] == orr["optimizer_state_sha256"], ""))
-        moved = orr.get("cumulative_d2h_bytes", 0)
+        check(f"rank {r} params identical", pr["params_sha256"] == orr["params_sha256"])
+        check(f"rank {r} optimizer state identical", pr["optimizer_state_sha256"] == orr["optimizer_state_sha256"])
         off = orr.get("offloaded_bytes", 0)
-        checks.append((f"rank {r} state moved every step", off > 0 and moved >= off * (iters - 1),
-                       f"{off / 2**30:.3f} GiB offloaded"))
+        # Counted by the recorder from the optimizer itself (moments, masters), not by the plugin.
+        expected = pr.get("adam_state_bytes", -1)
+        check(f"rank {r} offloads all moments and masters", off == expected,
+              f"{off / 2**30:.3f} of {expected / 2**30:.3f} GiB")
+        check(f"rank {r} state moved every step", off > 0 and orr.get("cumulative_d2h_bytes", 0) >= off * (iters - 1))
+        rb, ro = run_peak(pr), run_peak(orr)
+        check(f"rank {r} peak reserved lower", ro < rb, f"{rb / 2**30:.2f} -> {ro / 2**30:.2f} GiB")
+
+    def resumed(kind, source, with_offload, extra_args=()):
+        args = base + ["--load", ck(source), "--ckpt-step", str(half), *extra_args] + (OFFLOAD if with_offload else [])
+        return launch(f"{name}-{kind}", args, nproc, out, env_extra=env)
+
+    for kind in ckpt_runs:
+        if kind in ("resume_offload", "resume_plain", "plain_to_offload"):
+            source, with_offload = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
+                                    "plain_to_offload": ("baseline", True)}[kind]
+            ref = offload if source == "offload" else plain
+            run = resumed(kind, source, with_offload)
+            got, want = losses(run), losses(ref)[half:]
+            check(f"{kind}: resumed losses identical", got == want, f"{sum(a == b for a, b in zip(got, want))}/{len(want)}")
+            for r in range(nproc):
+                check(f"{kind}: rank {r} final params identical",
+                      run["ranks"][r]["params_sha256"] == ref["ranks"][r]["params_sha256"])
+        else:
+            # Both load the baseline's checkpoint without its optimizer state: the masters must be
+            # rebuilt from the loaded params while the plugin has them off the GPU.
+            # --finetune restarts at iteration 0: train `half` iterations like the resumed runs.
+            flag = ["--no-load-optim"] if kind == "no_load_optim" else ["--finetune", "--train-iters", str(half)]
+            a = resumed(f"{kind}-plain", "baseline", False, flag)
+            b = resumed(f"{kind}-offload", "baseline", True, flag)
+            la, lb_ = losses(a), losses(b)
+            expect = half
+            check(f"{kind}: losses identical with and without offload", la == lb_ and len(la) == expect,
+                  f"{sum(x == y for x, y in zip(la, lb_))}/{len(la)}")
+            for r in range(nproc):
+                check(f"{kind}: rank {r} params and optimizer state identical",
+                      a["ranks"][r]["params_sha256"] == b["ranks"][r]["params_sha256"]
+                      and a["ranks"][r]["optimizer_state_sha256"] == b["ranks"][r]["optimizer_state_sha256"])
+            if kind == "no_load_optim":
+                # The loaded params are those of the checkpoint: the first resumed loss equals the
+                # uninterrupted run's (the masters only matter from the first step on).
+                check(f"{kind}: first resumed loss equals the uninterrupted run's", la[:1] == lb[half:half + 1])
     skipped = sum(it["skipped"] for it in offload["ranks"][0]["iterations"])
     return {
         "case": name,
@@ -70,8 +147,23 @@ def run_case(name, iters, out, devices):
         "offloaded_gib": [r.get("offloaded_bytes", 0) / 2**30 for r in offload["ranks"]],
         "peak_reserved_gib": {"baseline": [run_peak(r) / 2**30 for r in plain["ranks"]],
                               "offload": [run_peak(r) / 2**30 for r in offload["ranks"]]},
-        "seconds": plain["seconds"] + offload["seconds"],
+        "peak_allocated_gib": {"baseline": [run_peak(r, "max_allocated") / 2**30 for r in plain["ranks"]],
+                               "offload": [run_peak(r, "max_allocated") / 2**30 for r in offload["ranks"]]},
     }
+
+
+def row(r):
+    bad = [c for c in r["checks"] if not c[1]]
+    peaks = r.get("peak_reserved_gib")
+    peak = f"{peaks['baseline'][0]:.2f} -> {peaks['offload'][0]:.2f}" if peaks else "-"
+    result = "PASS" if not bad else "FAIL: " + "; ".join(f"{c[0]} {c[2]}".strip() for c in bad)[:400]
+    return (f"| {r['case']} | {r['gpus']} | {result} | {len(r['checks']) - len(bad)}/{len(r['checks'])} | "
+            f"{', '.join(f'{x:.3f}' for x in r.get('offloaded_gib', [])) or '-'} | {peak} | "
+            f"{r.get('skipped_steps', '-')} | {r.get('seconds', 0):.0f} |")
+
+
+HEADER = ("| case | GPUs | result | checks | offloaded GiB per rank | peak reserved GiB baseline -> offload "
+          "(rank 0) | skipped steps | s |\n|---|---|---|---|---|---|---|---|")
 
 
 def main(argv=None):
@@ -82,42 +174,48 @@ def main(argv=None):
     p.add_argument("--cases", default=",".join(CASES))
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
-    cases = [c for c in opts.cases.split(",") if CASES[c][0] <= opts.gpus]
+    requested = opts.cases.split(",")
+    unknown = [c for c in requested if c not in CASES]
+    if unknown:
+        p.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    cases = [c for c in requested if CASES[c][0] <= opts.gpus]
     free = list(range(opts.gpus))
     lock = threading.Condition()
+    results = []
+    start = time.time()
 
     def run_with_devices(name):
         need = CASES[name][0]
         with lock:
             lock.wait_for(lambda: len(free) >= need)
             devices = [free.pop(0) for _ in range(need)]
+        began = time.time()
         try:
-            return run_case(name, opts.iters, opts.out, devices)
+            result = run_case(name, opts.iters, opts.out, devices)
         except Exception as err:  # a failing case must not hide the others
-            return {"case": name, "gpus": need, "checks": [("ran", False, str(err)[-2000:])]}
+            result = {"case": name, "gpus": need, "checks": [("ran", False, str(err)[-1500:])]}
         finally:
             with lock:
                 free.extend(devices)
                 lock.notify_all()
+        result["seconds"] = time.time() - began
+        with lock:
+            results.append(result)
+            print(f"[{time.time() - start:.0f}s] {row(result)}", flush=True)
+            with open(os.path.join(opts.out, "matrix_summary.json"), "w") as f:
+                json.dump(results, f, indent=1)
+        return result
 
     # Widest cases first so that they do not wait behind pairs of narrow ones.
     order = sorted(cases, key=lambda c: -CASES[c][0])
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.gpus // 2)) as pool:
-        results = list(pool.map(run_with_devices, order))
+        list(pool.map(run_with_devices, order))
     results.sort(key=lambda r: cases.index(r["case"]))
-
-    print("\n| case | GPUs | result | offloaded GiB per rank | peak reserved GiB baseline -> offload (rank 0) | skipped steps | s |")
-    print("|---|---|---|---|---|---|---|")
-    failed = 0
+    print("\n" + HEADER)
     for r in results:
-        bad = [c for c in r["checks"] if not c[1]]
-        failed += bool(bad)
-        peaks = r.get("peak_reserved_gib")
-        peak = f"{peaks['baseline'][0]:.2f} -> {peaks['offload'][0]:.2f}" if peaks else "-"
-        print(f"| {r['case']} | {r['gpus']} | {'PASS' if not bad else 'FAIL: ' + '; '.join(c[0] + ' ' + c[2] for c in bad)[:300]} | "
-              f"{', '.join(f'{x:.3f}' for x in r.get('offloaded_gib', []))} | {peak} | "
-              f"{r.get('skipped_steps', '-')} | {r.get('seconds', 0):.0f} |")
-    print(f"\n{len(results) - failed} passed, {failed} failed")
+        print(row(r))
+    failed = sum(any(not c[1] for c in r["checks"]) for r in results)
+    print(f"\n{len(results) - failed} passed, {failed} failed, {time.time() - start:.0f} s")
     with open(os.path.join(opts.out, "matrix_summary.json"), "w") as f:
         json.dump(results, f, indent=1)
     return 1 if failed else 0
