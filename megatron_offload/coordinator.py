@@ -173,7 +173,13 @@ class OffloadCoordinator:
         """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated.
         `position`: the pacing module about to run (activations from it on may reuse the
         memory); None when unknown (evaluation)."""
-        pending = self._chunks(ChunkState.COPYING_OUT)
+        # Highest address first. Freed memory is only useful to a large activation in one piece:
+        # the top chunk's block joins the free space above it (with expandable segments the whole
+        # pool is one segment, and adjacent free blocks merge), so an activation that fits no
+        # hole goes there rather than above every chunk still resident, which would raise the
+        # high-water mark of the segment, i.e. *reserved* memory. Without expandable segments
+        # each chunk is a segment of its own and the order does not matter.
+        pending = sorted(self._chunks(ChunkState.COPYING_OUT), key=lambda pair: -pair[1].address)
         remaining = sum(c.gpu_nbytes for _, c in pending)
         chosen = []
         for off, chunk in pending:

@@ -79,6 +79,11 @@ class Chunk:
         return sum(t.nbytes for t in self.tensors)
 
     @property
+    def address(self) -> int:
+        """Device address of the GPU buffer (0 while it is freed)."""
+        return self.buffer.data_ptr() if self.buffer is not None and self.state is not ChunkState.OFFLOADED else 0
+
+    @property
     def packed(self) -> torch.Tensor:
         """The bytes that hold state: the first `nbytes` of the (allocated) GPU buffer."""
         return self.buffer[: self.nbytes]
@@ -283,7 +288,9 @@ class OptimizerStateOffloader:
         Called on the host right after the inner optimizer step was enqueued (or after a skipped
         step / a checkpoint API). Does not free anything.
         """
-        resident = self.chunks_in(ChunkState.RESIDENT)
+        # In the order the coordinator frees them (highest address first), so that the first
+        # free waits for the first copy, not for the last.
+        resident = sorted(self.chunks_in(ChunkState.RESIDENT), key=lambda c: -c.address)
         if not resident:
             return
         if self.host_valid:

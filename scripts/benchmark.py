@@ -54,7 +54,8 @@ VARIANTS = {
     "native-offload": [],
 }
 VARIANT_ENV = {"native-offload": {"MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP": "1"}}
-# Variants several times slower than the baseline run fewer iterations (their median needs fewer).
+# Variants several times slower than the baseline stop after fewer iterations (their median needs
+# fewer); losses are compared over the iterations both ran.
 MAX_ITERS = {"cpu-offload": 14, "native-offload": 10}
 
 
@@ -148,8 +149,9 @@ def main(argv=None):
             env.update(MODIFIERS[mod])
         iters = min(opts.iters, MAX_ITERS.get(variant, opts.iters))
         warmup = min(opts.warmup, iters // 2)
-        args = (base if iters == opts.iters else model_args(iters, **PRESETS[opts.preset]) + opts.extra.split())
-        run = launch(name, args + VARIANTS[variant], opts.nproc, opts.out, env_extra=env)
+        # Same --train-iters (hence the same LR schedule and losses); stop early with --exit-interval.
+        stop = ["--exit-interval", str(iters)] if iters < opts.iters else []
+        run = launch(name, base + VARIANTS[variant] + stop, opts.nproc, opts.out, env_extra=env)
         results[name] = summarize(run, warmup)
         results[name]["iterations_timed"] = f"{warmup + 1}-{iters}"
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)

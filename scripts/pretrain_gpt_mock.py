@@ -262,7 +262,11 @@ class Recorder:
                     return out
 
                 optimizer.step = roundtrip_step
-            out = train(forward_step_func, model, optimizer, *a, **k)
+            try:
+                out = train(forward_step_func, model, optimizer, *a, **k)
+            except SystemExit:  # --exit-interval: train() exits from inside; record first
+                self.write()
+                raise
             if self.memhist:
                 self.dump_memhist()
             self.write()

@@ -193,6 +193,33 @@ def test_every_chunk_buffer_has_one_slot_size_and_the_host_copy_is_exact():
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+@pytest.mark.parametrize("layout", ["ascending", "descending"])
+def test_copy_out_and_free_go_from_the_highest_address_down(layout, monkeypatch):
+    """The top chunk's freed block joins the free space above it; the copy-out runs in the same
+    order so that the first free waits only for the first copy."""
+    from megatron_offload.offloader import Chunk
+
+    opt = FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    one_iteration(opt, coord, 0)
+    n = len(off.chunks)
+    assert n > 2
+    fake = {id(c): (i if layout == "ascending" else n - i) * 2**20 for i, c in enumerate(off.chunks)}
+    monkeypatch.setattr(Chunk, "address", property(lambda c: 0 if c.state is ChunkState.OFFLOADED else fake[id(c)]))
+    copied, freed = [], []
+    copy_pieces, free = off._copy_pieces, off.free
+    monkeypatch.setattr(off, "_copy_pieces", lambda dst, src: (copied.append(
+        next(c for c in off.chunks if c.host is dst)), copy_pieces(dst, src)))
+    monkeypatch.setattr(off, "free", lambda chunks: (freed.extend(chunks), free(chunks))[1])
+    coord.start_pending_copy_out()
+    for _ in range(n):
+        coord._free_until(coord.bytes_in(ChunkState.COPYING_OUT) - 1)  # one chunk at a time
+    want = sorted(off.chunks, key=lambda c: -fake[id(c)])
+    assert [c.index for c in copied] == [c.index for c in want]
+    assert [c.index for c in freed] == [c.index for c in want]
+
+
 def test_lifecycle_order_and_bytes_moved():
     opt = FakeDistOpt()
     coord = make_coord()
