@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,10 +39,20 @@ def model_args(iters, layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16, 
     ]
 
 
+_ports_lock = threading.Lock()
+_ports_given = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port never handed out before by this process (runs may start concurrently)."""
+    with _ports_lock:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _ports_given:
+                _ports_given.add(port)
+                return port
 
 
 def _command(name, args, nproc, out, script, env_extra):

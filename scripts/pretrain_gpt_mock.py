@@ -37,6 +37,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
@@ -78,7 +79,8 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    vp_stage = getattr(model, "vp_stage", None)
+    # The model chunk is wrapped (DDP, Float16Module): its virtual stage is on the inner module.
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)

@@ -17,8 +17,13 @@ default) and compare with the uninterrupted run:
   finetune          --finetune, without and with offload (iteration and optimizer start afresh)
 
 `async-save` checks that --async-save is refused at argument validation with the plugin's message.
-Two-GPU cases run side by side on a 4-GPU machine (CUDA_VISIBLE_DEVICES pairs). Prints one line
-per finished case and a pass/fail table; writes matrix_summary.json (after every case).
+
+Runs are independent processes, so they run concurrently: up to --runs-per-gpu ranks share a GPU
+(CUDA_VISIBLE_DEVICES: two-GPU runs on pairs, four-GPU runs on all), and the runs of a case that do
+not depend on each other start together. Sharing a GPU changes timing only: every run is
+deterministic and its memory peaks are its own process's allocator statistics. Start-up (imports,
+NCCL, checkpoint I/O) dominates these small runs, which is what the concurrency hides. Prints one
+line per finished case and a pass/fail table; writes matrix_summary.json (after every case).
 """
 
 import argparse
@@ -41,7 +46,8 @@ MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-
 CASES = {
     # name: (GPUs, extra Megatron args, model overrides, checkpoint runs)
     "dp2": (2, [], {}, ("no_load_optim", "finetune")),
-    "tp2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], {}, ()),
+    # (--sequence-parallel needs Transformer Engine's or Apex's LayerNorm: not on the test machines.)
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], {}, ()),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"], {}, ()),
     "pp2-vpp": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], {}, ()),
     # Dense and expert DistributedOptimizers in one ChainedOptimizer.
@@ -61,29 +67,68 @@ def losses(run):
     return [it["loss"] for it in run["ranks"][-1]["iterations"]]
 
 
-def run_async_save_case(name, out, env):
+class GpuSlots:
+    """Which GPUs a run gets: aligned groups of its size, least loaded first, at most `per_gpu`
+    ranks on any GPU at once."""
+
+    def __init__(self, gpus, per_gpu):
+        self.load = [0] * gpus
+        self.per_gpu = per_gpu
+        self.cv = threading.Condition()
+
+    def _pick(self, n):
+        groups = [list(range(i, i + n)) for i in range(0, len(self.load) - n + 1, n)]
+        groups = [g for g in groups if max(self.load[d] for d in g) < self.per_gpu]
+        return min(groups, key=lambda g: max(self.load[d] for d in g), default=None)
+
+    def run(self, fn, n):
+        with self.cv:
+            self.cv.wait_for(lambda: self._pick(n) is not None)
+            devices = self._pick(n)
+            for d in devices:
+                self.load[d] += 1
+        try:
+            return fn({"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))})
+        finally:
+            with self.cv:
+                for d in devices:
+                    self.load[d] -= 1
+                self.cv.notify_all()
+
+
+def together(*calls):
+    """Run independent zero-argument calls concurrently; their results in order."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
+
+
+def run_async_save_case(name, out, slots):
     """--async-save must be refused before anything starts, with the plugin's message."""
     args = model_args(4, **SMALL) + ["--async-save", "--save", os.path.join(out, f"ckpt_{name}")] + OFFLOAD
-    code, log, seconds = launch_expecting_failure(name, args, CASES[name][0], out, env_extra=env)
+    nproc = CASES[name][0]
+    code, log, seconds = slots.run(lambda env: launch_expecting_failure(name, args, nproc, out, env_extra=env), nproc)
     ok = code != 0 and "--async-save" in log and "megatron-offload refuses" in log
     first = next((line for line in log.splitlines() if "--async-save" in line), "")
     return {"case": name, "gpus": CASES[name][0], "seconds": seconds,
             "checks": [("refused at validation with the plugin's message", ok, f"exit {code}: {first.strip()[:160]}")]}
 
 
-def run_case(name, iters, out, devices):
+def run_case(name, iters, out, slots):
     nproc, extra, overrides, ckpt_runs = CASES[name]
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
     if name == "async-save":
-        return run_async_save_case(name, out, env)
+        return run_async_save_case(name, out, slots)
+
+    def start(run_name, args):
+        return lambda: slots.run(lambda env: launch(run_name, args, nproc, out, env_extra=env), nproc)
+
     half = iters // 2
     base = model_args(iters, **{**SMALL, **overrides}) + ["--deterministic-mode"] + extra
     ck = lambda kind: os.path.join(out, f"ckpt_{name}-{kind}")  # noqa: E731
     save = (lambda kind: ["--save", ck(kind), "--save-interval", str(half)]) if ckpt_runs else (lambda kind: [])
     for kind in ("baseline", "offload"):
         shutil.rmtree(ck(kind), ignore_errors=True)
-    plain = launch(f"{name}-baseline", base + save("baseline"), nproc, out, env_extra=env)
-    offload = launch(f"{name}-offload", base + save("offload") + OFFLOAD, nproc, out, env_extra=env)
+    plain, offload = together(start(f"{name}-baseline", base + save("baseline")),
+                              start(f"{name}-offload", base + save("offload") + OFFLOAD))
     checks = []
 
     def check(what, ok, detail=""):
@@ -106,14 +151,26 @@ def run_case(name, iters, out, devices):
 
     def resumed(kind, source, with_offload, extra_args=()):
         args = base + ["--load", ck(source), "--ckpt-step", str(half), *extra_args] + (OFFLOAD if with_offload else [])
-        return launch(f"{name}-{kind}", args, nproc, out, env_extra=env)
+        return start(f"{name}-{kind}", args)
 
+    # Every run that loads a checkpoint, started together.
+    plans = {}
     for kind in ckpt_runs:
         if kind in ("resume_offload", "resume_plain", "plain_to_offload"):
             source, with_offload = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
                                     "plain_to_offload": ("baseline", True)}[kind]
-            ref = offload if source == "offload" else plain
-            run = resumed(kind, source, with_offload)
+            plans[kind] = resumed(kind, source, with_offload)
+        else:
+            # --finetune restarts at iteration 0: train `half` iterations like the resumed runs.
+            flag = ["--no-load-optim"] if kind == "no_load_optim" else ["--finetune", "--train-iters", str(half)]
+            plans[kind + "-plain"] = resumed(f"{kind}-plain", "baseline", False, flag)
+            plans[kind + "-offload"] = resumed(f"{kind}-offload", "baseline", True, flag)
+    loaded = dict(zip(plans, together(*plans.values()))) if plans else {}
+
+    for kind in ckpt_runs:
+        if kind in ("resume_offload", "resume_plain", "plain_to_offload"):
+            ref = offload if kind != "plain_to_offload" else plain
+            run = loaded[kind]
             got, want = losses(run), losses(ref)[half:]
             check(f"{kind}: resumed losses identical", got == want, f"{sum(a == b for a, b in zip(got, want))}/{len(want)}")
             for r in range(nproc):
@@ -122,10 +179,7 @@ def run_case(name, iters, out, devices):
         else:
             # Both load the baseline's checkpoint without its optimizer state: the masters must be
             # rebuilt from the loaded params while the plugin has them off the GPU.
-            # --finetune restarts at iteration 0: train `half` iterations like the resumed runs.
-            flag = ["--no-load-optim"] if kind == "no_load_optim" else ["--finetune", "--train-iters", str(half)]
-            a = resumed(f"{kind}-plain", "baseline", False, flag)
-            b = resumed(f"{kind}-offload", "baseline", True, flag)
+            a, b = loaded[kind + "-plain"], loaded[kind + "-offload"]
             la, lb_ = losses(a), losses(b)
             expect = half
             check(f"{kind}: losses identical with and without offload", la == lb_ and len(la) == expect,
@@ -172,6 +226,7 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, default=4)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--runs-per-gpu", type=int, default=3, help="ranks of different runs sharing one GPU")
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
     requested = opts.cases.split(",")
@@ -179,25 +234,17 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
     cases = [c for c in requested if CASES[c][0] <= opts.gpus]
-    free = list(range(opts.gpus))
-    lock = threading.Condition()
+    slots = GpuSlots(opts.gpus, opts.runs_per_gpu)
+    lock = threading.Lock()
     results = []
     start = time.time()
 
-    def run_with_devices(name):
-        need = CASES[name][0]
-        with lock:
-            lock.wait_for(lambda: len(free) >= need)
-            devices = [free.pop(0) for _ in range(need)]
+    def run_one(name):
         began = time.time()
         try:
-            result = run_case(name, opts.iters, opts.out, devices)
+            result = run_case(name, opts.iters, opts.out, slots)
         except Exception as err:  # a failing case must not hide the others
-            result = {"case": name, "gpus": need, "checks": [("ran", False, str(err)[-1500:])]}
-        finally:
-            with lock:
-                free.extend(devices)
-                lock.notify_all()
+            result = {"case": name, "gpus": CASES[name][0], "checks": [("ran", False, str(err)[-1500:])]}
         result["seconds"] = time.time() - began
         with lock:
             results.append(result)
@@ -206,10 +253,11 @@ def main(argv=None):
                 json.dump(results, f, indent=1)
         return result
 
-    # Widest cases first so that they do not wait behind pairs of narrow ones.
+    # Every case at once; GpuSlots bounds how many runs share the GPUs. Widest cases first, so
+    # that they do not wait behind pairs of narrow ones.
     order = sorted(cases, key=lambda c: -CASES[c][0])
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, opts.gpus // 2)) as pool:
-        list(pool.map(run_with_devices, order))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(order)) as pool:
+        list(pool.map(run_one, order))
     results.sort(key=lambda r: cases.index(r["case"]))
     print("\n" + HEADER)
     for r in results:
