@@ -7,7 +7,7 @@
 #   5. optionally the side-by-side benchmark (BENCH=r1|small),
 #   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS.
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
-# *.json summaries and logs.tgz (every run log, no checkpoints).
+# *.json summaries and logs.tgz (every run log and record, benchmark plots; no checkpoints).
 #
 #   STAGES="unit functional bench" BENCH=r1 bash scripts/run_gpu_suite.sh
 set -uo pipefail
@@ -49,6 +49,9 @@ for stage in $STAGES; do
       within_budget python3 scripts/benchmark.py --preset "${BENCH:-r1}" --nproc "$NPROC" --out "$WORK/bench" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/benchmark.log" || status=1
       cp "$WORK/bench/benchmark.json" "$OUT/" 2>/dev/null
+      # Plots go into logs.tgz (the device returns at most 8 files from $OUT).
+      python3 scripts/plot_benchmark.py "$WORK/bench/benchmark.json" --out-prefix "$WORK/bench/benchmark" \
+        >> "$OUT/benchmark.log" 2>&1 || true
       for f in "$WORK"/bench/*/memhist_rank0.npz; do
         [ -e "$f" ] && cp "$f" "$OUT/memhist_$(basename "$(dirname "$f")" | tr '@+' '__').npz"
       done ;;
