@@ -68,6 +68,7 @@ class OffloadCoordinator:
         announce: Optional[Callable[[str], None]] = None,
         copy_piece_bytes: int = 0,
         free_block_sizes: Optional[Callable[[], List[int]]] = None,
+        state_fraction: float = 1.0,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -75,6 +76,7 @@ class OffloadCoordinator:
         self.streams = CopyStreams(self.device, timing=timing)
         self.chunk_bytes = chunk_bytes
         self.copy_piece_bytes = copy_piece_bytes
+        self.state_fraction = state_fraction
         self.margin_bytes = margin_bytes
         self.expected_forwards = expected_forwards_per_iteration
         self._allocated = memory_allocated or _allocator_stat(self.device, "current")
@@ -119,7 +121,7 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     def add_optimizer(self, dist_opt, name: str = "optimizer") -> OptimizerStateOffloader:
         off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name,
-                                      copy_piece_bytes=self.copy_piece_bytes)
+                                      copy_piece_bytes=self.copy_piece_bytes, fraction=self.state_fraction)
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)
         if inner is not None and not getattr(dist_opt, "is_stub_optimizer", False):
@@ -470,9 +472,11 @@ class OffloadCoordinator:
         masters = sum(
             st.nbytes
             for off in self.offloaders
-            for st in off.discovery.tensors
+            for c in off.chunks
+            for st in c.tensors
             if st.name.endswith((".master", ".master_param"))
         )
+        kept = sum(off.kept_bytes for off in self.offloaders)
         pinning = sorted({off.host.pinning for off in self.offloaders if off.host is not None})
         return (
             f"rank {rank}: offloading {self.state_bytes / 2**30:.3f} GiB of optimizer state "
@@ -480,6 +484,8 @@ class OffloadCoordinator:
             f" GiB) from {len(self.offloaders)} optimizer(s) in "
             f"{sum(len(o.chunks) for o in self.offloaders)} chunks; pinned host "
             f"{self.pinned_bytes / 2**30:.3f} GiB ({', '.join(pinning) or 'none'})"
+            + (f"; {kept / 2**30:.3f} GiB kept on the GPU (--offload-state-fraction "
+               f"{self.state_fraction:g})" if kept else "")
         )
 
     def harvest(self) -> TransferTotals:

@@ -100,6 +100,14 @@ def add_arguments(parser):
         "late state may stay on the GPU. (megatron-offload)",
     )
     group.add_argument(
+        "--offload-state-fraction",
+        type=float,
+        default=1.0,
+        help="Share (0 < f <= 1) of each DistributedOptimizer's state bytes to offload; the rest "
+        "stays on the GPU. Use it when the copies cannot be hidden (`python -m "
+        "megatron_offload.planner` computes how much can move for free). (megatron-offload)",
+    )
+    group.add_argument(
         "--offload-copy-piece-mb",
         type=int,
         default=0,
@@ -126,6 +134,10 @@ def validate_args(args) -> None:
             raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
         if args.offload_copy_piece_mb < 0:
             raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
+        if not 0.0 < args.offload_state_fraction <= 1.0:
+            raise validation.OffloadArgumentError(
+                "--offload-state-fraction must be in (0, 1]: the share of the optimizer state to "
+                "offload (drop --offload-optimizer-states to offload nothing)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +198,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
         timing=not args.offload_no_timing,
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
+        state_fraction=args.offload_state_fraction,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")

@@ -103,6 +103,10 @@ class OptimizerStateOffloader:
         chunk_bytes: granularity of freeing and reloading.
         name: for logs.
         copy_piece_bytes: split each chunk's copy into pieces of this size (0: one copy per chunk).
+        fraction: share of the state bytes to offload (0 < fraction <= 1). The rest stays on the
+            GPU untouched (not packed, never copied): whole tensors, the last ones in parameter
+            order. Every byte costs the same to move and frees the same, so which ones stay is
+            immaterial to the saving; the last ones keep the offloaded prefix contiguous.
     """
 
     def __init__(
@@ -112,7 +116,12 @@ class OptimizerStateOffloader:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         name: str = "optimizer",
         copy_piece_bytes: int = 0,
+        fraction: float = 1.0,
     ):
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        self.fraction = float(fraction)
+        self.kept: List[StateTensor] = []  # state tensors left resident by `fraction`
         self.dist_opt = dist_opt
         self.streams = streams
         self.chunk_bytes = int(chunk_bytes)
@@ -155,13 +164,14 @@ class OptimizerStateOffloader:
         """
         assert all(c.state is ChunkState.RESIDENT for c in self.chunks), self.chunks
         self.discovery = find_state_tensors(self.dist_opt, self.device)
+        managed, self.kept = self._split_by_fraction(self.discovery.tensors)
         # A tensor larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
         # below) that every chunk is padded to: fill the others up to that size too, so that the
         # padding stays small.
-        target = max([self.chunk_bytes] + [align_up(st.nbytes, TENSOR_ALIGNMENT) for st in self.discovery.tensors])
+        target = max([self.chunk_bytes] + [align_up(st.nbytes, TENSOR_ALIGNMENT) for st in managed])
         groups: List[List[StateTensor]] = [[]]
         group_bytes = 0
-        for st in self.discovery.tensors:
+        for st in managed:
             if groups[-1] and group_bytes + st.nbytes > target:
                 groups.append([])
                 group_bytes = 0
@@ -217,6 +227,23 @@ class OptimizerStateOffloader:
                 self.name,
                 ", ".join(self.discovery.resident_other[:5]),
             )
+
+    def _split_by_fraction(self, tensors: List[StateTensor]):
+        """(offloaded, kept): a parameter-order prefix of at most `fraction` of the bytes."""
+        if self.fraction >= 1.0:
+            return list(tensors), []
+        budget = self.fraction * sum(st.nbytes for st in tensors)
+        taken = 0
+        for i, st in enumerate(tensors):
+            if taken + st.nbytes > budget:
+                return list(tensors[:i]), list(tensors[i:])
+            taken += st.nbytes
+        return list(tensors), []
+
+    @property
+    def kept_bytes(self) -> int:
+        """State bytes that `fraction` leaves on the GPU."""
+        return sum(st.nbytes for st in self.kept)
 
     def materialize_state(self) -> int:
         """Create the Adam state that the first step would create lazily, exactly as torch

@@ -225,6 +225,14 @@ def load_profile(path: str) -> Profile:
                    raw.get("both_gbps", 100.0))
 
 
+def suggested_fraction(profile: Profile) -> float:
+    """The --offload-state-fraction that moves only what the planner says is free (rounded down
+    to 0.01, at least 0.01)."""
+    if profile.state_bytes <= 0:
+        return 1.0
+    return max(0.01, min(1.0, int(100 * free_bytes(profile) / profile.state_bytes) / 100))
+
+
 def report(profile: Profile, name: str = "") -> str:
     lines = [f"plan {name}: iteration {profile.iteration_ms:.0f} ms without offloading, state "
              f"{profile.state_bytes / GiB:.2f} GiB, activation peak +{profile.peak_growth / GiB:.2f} GiB, "
@@ -236,7 +244,8 @@ def report(profile: Profile, name: str = "") -> str:
     if cap <= 0:
         return "\n".join(lines)
     free = free_bytes(profile)
-    lines.append(f"  off the peak at no cost (<= 0.5 %): {free / GiB:.2f} GiB")
+    lines.append(f"  off the peak at no cost (<= 0.5 %): {free / GiB:.2f} GiB, i.e. "
+                 f"--offload-state-fraction {suggested_fraction(profile):.2f}")
     lines.append("  | GiB off the peak | predicted ms/iter | x no offload | stall before peak ms | stall before step ms |")
     lines.append("  |---|---|---|---|---|")
     for frac in (0.25, 0.5, 0.75, 1.0):

@@ -41,6 +41,8 @@ VARIANTS = {
     "offload-chunk64": ["--offload-optimizer-states", "--offload-chunk-size-mb", "64"],
     "offload-chunk128": ["--offload-optimizer-states", "--offload-chunk-size-mb", "128"],
     "offload-piece32": ["--offload-optimizer-states", "--offload-copy-piece-mb", "32"],
+    # Fractional offload at the R1 planner's "free" fraction (python -m megatron_offload.planner).
+    "offload-frac47": ["--offload-optimizer-states", "--offload-state-fraction", "0.47"],
     "recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"],
     "recompute+offload": ["--recompute-granularity", "full", "--recompute-method", "uniform",

@@ -70,6 +70,16 @@ def test_bad_chunk_size_rejected():
         megatron_wiring.validate_args(a)
 
 
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5"])
+def test_state_fraction_outside_zero_one_rejected(value):
+    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-state-fraction", value])
+    with pytest.raises(OffloadArgumentError, match="--offload-state-fraction"):
+        megatron_wiring.validate_args(a)
+    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-state-fraction", "0.4"])
+    megatron_wiring.validate_args(a)
+    assert a.offload_state_fraction == 0.4 and parse([]).offload_state_fraction == 1.0
+
+
 def test_steps_aside_when_megatron_defines_the_flag(monkeypatch, capsys):
     monkeypatch.setattr(megatron_wiring, "_stepped_aside", False)
     parser = argparse.ArgumentParser()

@@ -220,6 +220,35 @@ def test_copy_out_and_free_go_from_the_highest_address_down(layout, monkeypatch)
     assert [c.index for c in freed] == [c.index for c in want]
 
 
+@pytest.mark.parametrize("fraction", [0.3, 0.75])
+def test_state_fraction_keeps_the_rest_resident_and_untouched(fraction):
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord(state_fraction=fraction)
+    off = coord.add_optimizer(opt)
+    kept_storages = {}
+
+    def check(where, mb):
+        if not off.kept:
+            return
+        for st in off.kept:  # never freed, never moved (the same storage every time)
+            assert storage_bytes(st.tensor) == st.nbytes, st.name
+            assert kept_storages.setdefault(st.name, st.tensor.untyped_storage().data_ptr()) == \
+                st.tensor.untyped_storage().data_ptr(), st.name
+        assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes  # the rest is off
+
+    for step in range(4):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step, check=check)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    total = off.state_bytes + off.kept_bytes
+    assert off.kept and off.chunks
+    assert off.state_bytes <= fraction * total
+    assert off.state_bytes > fraction * total - max(st.nbytes for st in off.kept)
+    assert total == sum(st.nbytes for st in find_state_tensors(opt, CPU).tensors)
+    assert off.pinned_bytes == sum(c.nbytes for c in off.chunks)  # only the offloaded part
+    assert "kept on the GPU" in coord.describe()
+
+
 def test_lifecycle_order_and_bytes_moved():
     opt = FakeDistOpt()
     coord = make_coord()

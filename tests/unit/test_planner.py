@@ -21,6 +21,13 @@ def test_r1_free_amount_matches_the_brief():
     assert 2.7 * GiB <= free_bytes(PRESETS["r1"]) <= 3.4 * GiB
 
 
+def test_suggested_fraction_moves_only_what_is_free():
+    r1 = PRESETS["r1"]
+    f = planner.suggested_fraction(r1)
+    assert f * r1.state_bytes <= free_bytes(r1) < (f + 0.01) * r1.state_bytes
+    assert predict(r1, f * r1.state_bytes).ratio <= 1.005
+
+
 def test_r2_step_is_the_peak_so_unchunked_offload_saves_nothing():
     r2 = PRESETS["r2"]
     assert r2.max_unchunked_bytes == 0
