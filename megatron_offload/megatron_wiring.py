@@ -185,6 +185,17 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
     wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
 
 
+def allocator_hint(alloc_conf: Optional[str]) -> Optional[str]:
+    """A start-up hint when PyTorch's caching allocator runs without expandable segments, with
+    which offloaded bytes come off *reserved* memory far better (measured on R1: 53 % of them by
+    default, 88-95 % with expandable segments). None when they are on."""
+    if alloc_conf and "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
+        return None
+    return ("PYTORCH_CUDA_ALLOC_CONF does not set expandable_segments:True: with PyTorch's default "
+            "caching allocator part of the offloaded memory stays reserved (fragmentation). Set "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to get (nearly) all of it back.")
+
+
 def attach(model, optimizer, args) -> OffloadCoordinator:
     """Create the coordinator for this process and hook it to Megatron's optimizer and model."""
     global coordinator
@@ -220,6 +231,9 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)
     _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers")
+    hint = allocator_hint(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    if hint:
+        _print(hint)
     coordinator = coord
     return coord
 

@@ -165,3 +165,18 @@ def test_source_patch_applies_to_megatron_core_and_activates_the_plugin(tmp_path
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert "ACTIVE" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("conf, hinted", [
+    (None, True),
+    ("", True),
+    ("max_split_size_mb:512", True),
+    ("expandable_segments:False", True),
+    ("expandable_segments:True", False),
+    ("max_split_size_mb:512, expandable_segments:true", False),
+])
+def test_allocator_hint_only_without_expandable_segments(conf, hinted):
+    hint = megatron_wiring.allocator_hint(conf)
+    assert (hint is not None) == hinted
+    if hinted:
+        assert "expandable_segments:True" in hint
