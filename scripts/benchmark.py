@@ -6,6 +6,7 @@ Presets:
   r1     the brief's reference run R1: GPT 24 layers, hidden 2048, 16 heads, seq 2048, vocab 32000
          (~1.2 B params), micro-batch 2, global batch 16, bf16, DistributedOptimizer, DP = nproc.
   small  4 layers, hidden 1024 (a quick smoke run).
+  r3     R1's model with PP=2, DP=2 (--nproc 4), 8 microbatches per iteration.
 
 Each variant runs `--iters` iterations; the table reports, per variant, the median step time over
 iterations [--warmup, iters), peak allocated/reserved memory per rank, offloaded and pinned bytes,
@@ -26,7 +27,10 @@ from megatron_runs import launch, model_args, run_peak  # noqa: E402
 PRESETS = {
     "r1": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=16),
     "small": dict(layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16),
+    # R3: R1's model with PP=2, DP=2 on 4 GPUs, 8 microbatches per iteration (2 x 8 x 2 = 32).
+    "r3": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=32),
 }
+PRESET_ARGS = {"r3": ["--pipeline-model-parallel-size", "2"]}
 # Environment modifiers, appended to a variant name with '@' (e.g. offload@conn8@expseg).
 MODIFIERS = {
     "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
@@ -129,7 +133,7 @@ def main(argv=None):
     env_extra.setdefault("MEGATRON_OFFLOAD_TIMELINE_AT",
                          str(opts.timeline_at if opts.timeline_at is not None else opts.warmup + 2))
     os.makedirs(opts.out, exist_ok=True)
-    base = model_args(opts.iters, **PRESETS[opts.preset]) + opts.extra.split()
+    base = model_args(opts.iters, **PRESETS[opts.preset]) + PRESET_ARGS.get(opts.preset, []) + opts.extra.split()
     ceilings = None
     if not opts.no_ceilings:
         # In a subprocess: a CUDA context in this driver would sit on GPU 0 during the runs.

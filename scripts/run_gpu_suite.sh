@@ -5,7 +5,8 @@
 #   3. functional runs through torchrun (bit-exact losses/params, memory, checkpoint resume),
 #   4. optionally the parallel-layout matrix (stage `matrix`, 2-4 GPUs),
 #   5. optionally the side-by-side benchmark (BENCH=r1|small),
-#   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS.
+#   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS,
+#   7. optionally `sweep` (scripts/sweep.py, SWEEP_ARGS) and `maxfit` (scripts/max_fit.py, MAXFIT_ARGS).
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
 # *.json summaries and logs.tgz (every run log and record, benchmark plots; no checkpoints).
 #
@@ -55,6 +56,13 @@ for stage in $STAGES; do
       for f in "$WORK"/bench/*/memhist_rank0.npz; do
         [ -e "$f" ] && cp "$f" "$OUT/memhist_$(basename "$(dirname "$f")" | tr '@+' '__').npz"
       done ;;
+    sweep)
+      within_budget python3 scripts/sweep.py --nproc "$NPROC" --out "$WORK/sweep" ${SWEEP_ARGS:-} 2>&1 \
+        | tee "$OUT/sweep.log" || status=1
+      cp "$WORK/sweep/sweep.json" "$OUT/" 2>/dev/null ;;
+    maxfit)
+      within_budget python3 scripts/max_fit.py --nproc "$NPROC" --out "$WORK/maxfit" ${MAXFIT_ARGS:---cap-gib 40} 2>&1 \
+        | tee "$OUT/max_fit.log" || status=1 ;;
     probe)
       for conn in 1 8; do
         CUDA_DEVICE_MAX_CONNECTIONS=$conn within_budget python3 scripts/overlap_probe.py \

@@ -1,0 +1,75 @@
+"""Size sweep: measured step time with offloading against the planner's floor, from transfers far
+longer than the compute windows to far shorter (issue 3).
+
+    python scripts/sweep.py --nproc 2 --out /tmp/sweep [--gbs 4,8,16,32,64] [--iters 16 --warmup 6]
+
+The state per rank is fixed by the model (R1's, 7.1 GiB); what changes is the compute around it:
+each global batch size gives gbs / (mbs * DP) microbatches per iteration, i.e. forward windows
+from one microbatch (the copy-out of 7 GiB takes ~130 ms, the forward ~60 ms: the transfer cannot
+hide) to sixteen (it hides easily). For each size, baseline and offload run side by side
+(scripts/benchmark.py), the floor comes from the baseline's measured phase timeline and the copy
+ceiling measured once at the start, and the table reports measured / floor.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--gbs", default="4,8,16,32,64")
+    p.add_argument("--iters", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--variants", default="baseline,offload")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for every run (see benchmark.py)")
+    p.add_argument("--out", default="/tmp/megatron_offload_sweep")
+    opts = p.parse_args(argv)
+    os.makedirs(opts.out, exist_ok=True)
+    ceilings_path = os.path.join(opts.out, "ceilings.json")
+    subprocess.run([sys.executable, os.path.join(HERE, "copy_ceilings.py"), "--sizes-gib", "4",
+                    "--out", ceilings_path], check=True)
+    ceilings = json.load(open(ceilings_path))[-1]
+    gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"])
+    rows = []
+    for gbs in [int(x) for x in opts.gbs.split(",")]:
+        out = os.path.join(opts.out, f"gbs{gbs}")
+        cmd = [sys.executable, os.path.join(HERE, "benchmark.py"), "--preset", "r1", "--nproc", str(opts.nproc),
+               "--iters", str(opts.iters), "--warmup", str(opts.warmup), "--variants", opts.variants,
+               "--no-ceilings", "--gbps", str(gbps), "--out", out,
+               f"--extra=--global-batch-size {gbs}"] + [f"--env={kv}" for kv in opts.env]
+        done = subprocess.run(cmd)
+        path = os.path.join(out, "benchmark.json")
+        if done.returncode != 0 or not os.path.exists(path):
+            rows.append({"gbs": gbs, "error": f"benchmark exit {done.returncode}"})
+            continue
+        data = json.load(open(path))
+        for name, plan in data.get("planner", {}).items():
+            r = data["results"][name]
+            rows.append({"gbs": gbs, "variant": name, "baseline_ms": data["results"]["baseline"]["median_ms"],
+                         "ms": r["median_ms"], "measured_ratio": plan["measured_ratio"],
+                         "floor_ratio": plan["predicted_ratio"],
+                         "measured_over_floor": plan["measured_ratio"] / plan["predicted_ratio"],
+                         "saved_fraction": r.get("saved_fraction_of_offloaded"),
+                         "losses_identical": r.get("losses_identical")})
+        with open(os.path.join(opts.out, "sweep.json"), "w") as f:
+            json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
+    print(f"\nsweep, R1 model, {opts.nproc} GPUs, copy ceiling {gbps:.1f} GB/s per direction")
+    print("| global batch | variant | baseline ms | ms | x | floor x | measured / floor | reserved saved / offloaded | losses identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['gbs']} | - | {r['error']} | | | | | | |")
+            continue
+        print(f"| {r['gbs']} | {r['variant']} | {r['baseline_ms']:.0f} | {r['ms']:.0f} | {r['measured_ratio']:.3f} | "
+              f"{r['floor_ratio']:.3f} | {r['measured_over_floor']:.3f} | {r['saved_fraction'] or float('nan'):.2f} | "
+              f"{r['losses_identical']} |")
+
+
+if __name__ == "__main__":
+    main()
