@@ -177,6 +177,34 @@ def test_offload_bit_exact_and_state_freed():
     coord.close()
 
 
+def test_state_fraction_bit_exact_and_only_the_rest_stays_resident():
+    ref_losses, _, ref_digest = reference()
+    torch.cuda.empty_cache()
+    model, optimizer = build()
+    coord = attach(model, optimizer, state_fraction=0.5)
+    kept = {}
+
+    def check(step, mb):
+        if step < 1:  # as above: from the second step on, the state is off after every forward
+            return
+        for off in coord.offloaders:
+            for c in off.chunks:
+                assert c.buffer.untyped_storage().nbytes() == 0, c
+            for st in off.kept:  # resident, and never moved
+                assert st.tensor.untyped_storage().nbytes() > 0, st.name
+                assert kept.setdefault(st.name, st.tensor.data_ptr()) == st.tensor.data_ptr(), st.name
+
+    losses, _ = train(model, optimizer, coord, on_forward_end=check)
+    off = coord.offloaders[0]
+    total = coord.state_bytes + sum(o.kept_bytes for o in coord.offloaders)
+    assert kept and 0.3 * total <= coord.state_bytes <= 0.5 * total
+    assert coord.pinned_bytes < 0.51 * total
+    assert losses == ref_losses
+    assert digest(model, optimizer, coord) == ref_digest
+    assert off.kept_bytes > 0
+    coord.close()
+
+
 def test_freed_memory_is_reusable_without_growing_reserved():
     model, optimizer = build()
     coord = attach(model, optimizer)
