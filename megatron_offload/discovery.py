@@ -43,6 +43,8 @@ class StateTensor:
 
     name: str  # e.g. "group0.param3.exp_avg" or "group0.param3.master"
     tensor: torch.Tensor
+    # The inner optimizer's parameter this tensor belongs to (the chunked step steps by param).
+    param: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -116,5 +118,5 @@ def find_state_tensors(dist_opt, device: Optional[torch.device] = None) -> Disco
                     continue
                 seen.add(id(t))
                 _check_exact(name, t)
-                found.append(StateTensor(name, t))
+                found.append(StateTensor(name, t, param=p))
     return Discovery(found, others)
