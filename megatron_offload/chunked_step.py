@@ -109,3 +109,75 @@ def first_chunk_of(chunks) -> Dict[int, int]:
         for st in chunk.tensors:
             first.setdefault(id(st.param), k)
     return first
+
+
+def copy_main_params_to_model_params_for(dist_opt, main_params: Sequence[torch.Tensor]) -> None:
+    """megatron-core's `DistributedOptimizer._copy_main_params_to_model_params()` restricted to
+    `main_params` (inner-optimizer params: fp32 masters of bf16/fp16 params, or fp32 shards).
+
+    The method walks `shard_fp32_from_float16_groups` / `model_float16_groups` and
+    `shard_fp32_groups` / `model_fp32_groups` pairwise; for the duration of the call those four
+    lists are replaced by the pairs whose main param is in `main_params`, so every master is
+    read only while its piece is resident. Each main param is in exactly one of the two group
+    kinds, so calling this once per piece copies each exactly once.
+    """
+    keep = {id(p) for p in main_params}
+    names = (("shard_fp32_from_float16_groups", "model_float16_groups"), ("shard_fp32_groups", "model_fp32_groups"))
+    saved = {name: getattr(dist_opt, name) for pair in names for name in pair}
+    try:
+        for main_name, model_name in names:
+            mains, models = saved[main_name], saved[model_name]
+            setattr(dist_opt, main_name, [[m for m in gm if id(m) in keep] for gm in mains])
+            setattr(dist_opt, model_name, [[md for m, md in zip(gm, gmd) if id(m) in keep]
+                                           for gm, gmd in zip(mains, models)])
+        # The class's method: `install_piecewise_step` shadows the instance's.
+        type(dist_opt)._copy_main_params_to_model_params(dist_opt)
+    finally:
+        for name, value in saved.items():
+            setattr(dist_opt, name, value)
+
+
+def install_piecewise_step(dist_opt, make_pieces, before_piece=lambda k: None, after_piece=lambda k: None):
+    """Make `dist_opt.step_with_ready_grads()` step its inner optimizer piece by piece.
+
+    megatron-core's `step_with_ready_grads` calls `self.optimizer.step()` and then
+    `self._copy_main_params_to_model_params()`, which reads every master. Here the inner step
+    becomes `step_in_pieces` over `make_pieces()` (called at each step: the chunks may have been
+    re-packed), each piece's masters are copied to the model params right after the piece, and
+    the whole-model copy that follows is skipped for that step only (other callers keep it).
+    Not for fp8/nvfp4 param gather (their copy path quantizes across params). Returns a function
+    that undoes the installation.
+    """
+    inner = dist_opt.optimizer
+    whole_step = inner.step
+    state = {"copied": False}
+
+    def piecewise_step(*args, **kwargs):
+        assert not args and not kwargs, "closures are not supported by the piecewise step"
+        pieces = make_pieces()
+
+        def after(k):
+            copy_main_params_to_model_params_for(dist_opt, pieces[k])
+            after_piece(k)
+
+        inner.step = whole_step  # step_in_pieces calls the real step once per piece
+        try:
+            step_in_pieces(inner, pieces, before_piece, after)
+        finally:
+            inner.step = piecewise_step
+        state["copied"] = True
+
+    def copy_unless_done_in_pieces():
+        if state["copied"]:
+            state["copied"] = False
+            return
+        type(dist_opt)._copy_main_params_to_model_params(dist_opt)
+
+    inner.step = piecewise_step
+    dist_opt._copy_main_params_to_model_params = copy_unless_done_in_pieces
+
+    def uninstall():
+        inner.step = whole_step
+        del dist_opt._copy_main_params_to_model_params
+
+    return uninstall

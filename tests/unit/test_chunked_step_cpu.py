@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from megatron_offload import ChunkState, OffloadCoordinator
-from megatron_offload.chunked_step import complete_pieces, first_chunk_of, pieces_by_last_chunk, step_in_pieces
+from megatron_offload.chunked_step import (
+    complete_pieces,
+    first_chunk_of,
+    install_piecewise_step,
+    pieces_by_last_chunk,
+    step_in_pieces,
+)
 
 from fakes import FakeDistOpt, FakePrecisionAwareDistOpt, assert_bitwise_equal, make_grads, snapshot
 
@@ -106,3 +112,55 @@ def test_pieces_by_last_chunk_step_the_packed_state_bit_identically():
     off.make_resident(will_modify=True)
     step_in_pieces(opt.optimizer, pieces)
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+class MegatronShapedDistOpt(FakeDistOpt):
+    """FakeDistOpt with megatron-core 0.19's step structure: `step_with_ready_grads()` = inner
+    step, then `_copy_main_params_to_model_params()` walking the group lists pairwise."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.model_float16_groups = [list(self.model_bf16)]
+        self.model_fp32_groups = [[v.clone() for v in self.shard_fp32_groups[0]]]
+        self.copies = 0
+
+    def _copy_main_params_to_model_params(self):
+        self.copies += 1
+        for mains, models in ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
+                              (self.shard_fp32_groups, self.model_fp32_groups)):
+            for gm, gmd in zip(mains, models):
+                for main, model in zip(gm, gmd):
+                    model.copy_(main.detach())
+
+    def step_with_ready_grads(self):
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True
+
+
+def test_installed_piecewise_step_copies_each_piece_and_skips_the_whole_copy_once():
+    ref, opt = MegatronShapedDistOpt(), MegatronShapedDistOpt()
+    seen = []
+    uninstall = install_piecewise_step(opt, lambda: random_pieces(opt.all_params(), 3, len(seen)),
+                                       after_piece=seen.append)
+    for step in range(3):
+        make_grads(ref.all_params(), step)
+        make_grads(opt.all_params(), step)
+        ref.step_with_ready_grads()
+        opt.step_with_ready_grads()
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        for a, b in zip(ref.model_float16_groups[0] + ref.model_fp32_groups[0],
+                        opt.model_float16_groups[0] + opt.model_fp32_groups[0]):
+            assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                               b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    assert seen == [0, 1, 2] * 3
+    assert opt.copies == 3 * 3 and ref.copies == 3  # once per piece; the whole copy skipped
+    opt._copy_main_params_to_model_params()  # any other caller still gets the whole copy
+    assert opt.copies == 10
+    uninstall()
+    make_grads(ref.all_params(), 3)
+    make_grads(opt.all_params(), 3)
+    ref.step_with_ready_grads()
+    opt.step_with_ready_grads()
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    assert opt.copies == 11
