@@ -165,6 +165,11 @@ class OptimizerStateOffloader:
         assert all(c.state is ChunkState.RESIDENT for c in self.chunks), self.chunks
         self.discovery = find_state_tensors(self.dist_opt, self.device)
         managed, self.kept = self._split_by_fraction(self.discovery.tensors)
+        for st in self.kept:
+            # Packed by an earlier discovery (the split moves when tensors appear or are
+            # replaced): a view into an old chunk buffer would keep all of that buffer alive.
+            if st.tensor.untyped_storage().nbytes() > st.nbytes:
+                st.tensor.data = st.tensor.detach().clone()
         # A tensor larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
         # below) that every chunk is padded to: fill the others up to that size too, so that the
         # padding stays small.

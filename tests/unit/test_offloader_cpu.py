@@ -249,6 +249,28 @@ def test_state_fraction_keeps_the_rest_resident_and_untouched(fraction):
     assert "kept on the GPU" in coord.describe()
 
 
+def test_tensors_kept_after_a_new_split_own_their_storage():
+    """When a re-discovery moves the split, a tensor packed before and kept now must not stay a
+    view into the old chunk buffer (it would keep the whole buffer alive)."""
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    one_iteration(ref, None, 0)
+    one_iteration(opt, coord, 0)  # everything packed into chunks
+    off.make_resident(will_modify=True)
+    coord._copy_out_due.clear()
+    off.fraction = 0.4
+    off.refresh()
+    assert off.kept
+    for st in off.kept:
+        assert storage_bytes(st.tensor) == st.nbytes, st.name
+    coord._copy_out_due.append(off)
+    for step in range(1, 3):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
 def test_lifecycle_order_and_bytes_moved():
     opt = FakeDistOpt()
     coord = make_coord()
