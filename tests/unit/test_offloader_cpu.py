@@ -253,10 +253,11 @@ def test_tensors_kept_after_a_new_split_own_their_storage():
     """When a re-discovery moves the split, a tensor packed before and kept now must not stay a
     view into the old chunk buffer (it would keep the whole buffer alive)."""
     ref, opt = FakeDistOpt(), FakeDistOpt()
-    coord = make_coord()
+    coord = make_coord(chunk_bytes=2**20)  # one chunk: every tensor a view into one buffer
     off = coord.add_optimizer(opt)
     one_iteration(ref, None, 0)
     one_iteration(opt, coord, 0)  # everything packed into chunks
+    assert len(off.chunks) == 1
     off.make_resident(will_modify=True)
     coord._copy_out_due.clear()
     off.fraction = 0.4
