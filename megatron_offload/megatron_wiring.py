@@ -193,7 +193,7 @@ def allocator_hint(alloc_conf: Optional[str]) -> Optional[str]:
         return None
     return ("PYTORCH_CUDA_ALLOC_CONF does not set expandable_segments:True: with PyTorch's default "
             "caching allocator part of the offloaded memory stays reserved (fragmentation). Set "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to get (nearly) all of it back.")
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to get most of it back.")
 
 
 def attach(model, optimizer, args) -> OffloadCoordinator:
@@ -231,7 +231,9 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)
     _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers")
-    hint = allocator_hint(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+    # (PYTORCH_ALLOC_CONF is the newer name of the same setting.)
+    hint = allocator_hint(",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                                                 os.environ.get("PYTORCH_ALLOC_CONF")))))
     if hint:
         _print(hint)
     coordinator = coord
