@@ -34,7 +34,7 @@ import torch
 
 from .discovery import Discovery, StateTensor, find_state_tensors
 from .host_buffer import PinnedHostBuffer, align_up
-from .streams import CopyStreams, TransferStats
+from .streams import CopyStreams
 
 logger = logging.getLogger(__name__)
 
@@ -174,23 +174,15 @@ class OptimizerStateOffloader:
         # below) that every chunk is padded to: fill the others up to that size too, so that the
         # padding stays small.
         target = max([self.chunk_bytes] + [align_up(st.nbytes, TENSOR_ALIGNMENT) for st in managed])
-        groups: List[List[StateTensor]] = [[]]
-        group_bytes = 0
+        layouts = []  # per chunk: [tensors, their offsets, packed bytes so far]
         for st in managed:
-            if groups[-1] and group_bytes + st.nbytes > target:
-                groups.append([])
-                group_bytes = 0
-            groups[-1].append(st)
-            group_bytes = align_up(group_bytes + st.nbytes, TENSOR_ALIGNMENT)
-        chunks: List[Chunk] = []
-        for tensors in groups:
-            if not tensors:
-                continue
-            offsets, nbytes = [], 0
-            for st in tensors:
-                offsets.append(nbytes)
-                nbytes = align_up(nbytes + st.nbytes, TENSOR_ALIGNMENT)
-            chunks.append(Chunk(len(chunks), tensors, offsets, nbytes))
+            if not layouts or layouts[-1][2] + st.nbytes > target:
+                layouts.append([[], [], 0])
+            tensors, offsets, nbytes = layouts[-1]
+            tensors.append(st)
+            offsets.append(nbytes)
+            layouts[-1][2] = align_up(nbytes + st.nbytes, TENSOR_ALIGNMENT)
+        chunks = [Chunk(i, tensors, offsets, nbytes) for i, (tensors, offsets, nbytes) in enumerate(layouts)]
         # Every GPU buffer gets the size of the largest chunk (host copies stay exact). The caching
         # allocator never merges blocks of different segments: a chunk reloaded into the block
         # another, smaller chunk left behind leaves that one with no block of its size, and it

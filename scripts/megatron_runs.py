@@ -77,12 +77,18 @@ def launch_expecting_failure(name, args, nproc, out, script="scripts/pretrain_gp
                              env_extra=None):
     """Run a command that should be refused; returns (exit code, log text, seconds)."""
     cmd, env, _ = _command(name, args, nproc, out, script, env_extra)
+    code, elapsed = _run(name, cmd, env, out, timeout)
+    return code, open(os.path.join(out, f"{name}.log")).read(), elapsed
+
+
+def _run(name, cmd, env, out, timeout):
+    """Run to <out>/<name>.log, record the exit code in <out>/<name>.exit; (exit code, seconds)."""
     start = time.time()
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
     with open(os.path.join(out, f"{name}.exit"), "w") as f:
         f.write(str(proc.returncode))
-    return proc.returncode, open(os.path.join(out, f"{name}.log")).read(), time.time() - start
+    return proc.returncode, time.time() - start
 
 
 def replay(name, nproc, out):
@@ -106,17 +112,20 @@ def replay_failure(name, out):
 
 def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600, env_extra=None):
     cmd, env, record = _command(name, args, nproc, out, script, env_extra)
-    start = time.time()
-    with open(os.path.join(out, f"{name}.log"), "w") as log:
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
-    elapsed = time.time() - start
-    if proc.returncode != 0:
+    code, elapsed = _run(name, cmd, env, out, timeout)
+    if code != 0:
         tail = open(os.path.join(out, f"{name}.log")).read()[-4000:]
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}) after {elapsed:.0f}s:\n{tail}")
+        raise RuntimeError(f"{name} failed (exit {code}) after {elapsed:.0f}s:\n{tail}")
     ranks = [json.load(open(os.path.join(record, f"rank{r}.json"))) for r in range(nproc)]
     return {"name": name, "ranks": ranks, "seconds": elapsed}
 
 
+
+
+def run_losses(run):
+    """Per-iteration losses (float hex) of a run: the last rank is on the last pipeline stage,
+    which reports the loss (with DP every rank of that stage has it)."""
+    return [it["loss"] for it in run["ranks"][-1]["iterations"]]
 
 
 def run_peak(rank_record, key="max_reserved", first=0):

@@ -21,11 +21,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from megatron_runs import launch, model_args, run_peak  # noqa: E402
-
-def losses(run):
-    # The loss is reported by the last pipeline stage; with DP every rank has it.
-    return [it["loss"] for it in run["ranks"][-1]["iterations"]]
+from megatron_runs import launch, model_args, run_losses as losses, run_peak  # noqa: E402
 
 
 def peak_reserved(run):

@@ -38,7 +38,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import megatron_runs  # noqa: E402
-from megatron_runs import model_args, run_peak  # noqa: E402
+from megatron_runs import model_args, run_losses as losses, run_peak  # noqa: E402
 
 # Swapped for megatron_runs.replay / replay_failure by --from-records.
 launch = megatron_runs.launch
@@ -65,11 +65,9 @@ CASES = {
     "async-save": (2, [], {}, ()),
 }
 OFFLOAD = ["--offload-optimizer-states"]
-
-
-def losses(run):
-    # The loss is reported by the last pipeline stage; with DP every rank of it has it.
-    return [it["loss"] for it in run["ranks"][-1]["iterations"]]
+# Checkpoint runs resuming the case's own runs: which run's checkpoint, and with offloading?
+RESUMES = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
+           "plain_to_offload": ("baseline", True)}
 
 
 class GpuSlots:
@@ -166,10 +164,8 @@ def run_case(name, iters, out, slots):
     # Every run that loads a checkpoint, started together.
     plans = {}
     for kind in ckpt_runs:
-        if kind in ("resume_offload", "resume_plain", "plain_to_offload"):
-            source, with_offload = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
-                                    "plain_to_offload": ("baseline", True)}[kind]
-            plans[kind] = resumed(kind, source, with_offload)
+        if kind in RESUMES:
+            plans[kind] = resumed(kind, *RESUMES[kind])
         else:
             # --finetune restarts at iteration 0: train `half` iterations like the resumed runs.
             flag = ["--no-load-optim"] if kind == "no_load_optim" else ["--finetune", "--train-iters", str(half)]
@@ -178,8 +174,8 @@ def run_case(name, iters, out, slots):
     loaded = dict(zip(plans, together(*plans.values()))) if plans else {}
 
     for kind in ckpt_runs:
-        if kind in ("resume_offload", "resume_plain", "plain_to_offload"):
-            ref = offload if kind != "plain_to_offload" else plain
+        if kind in RESUMES:
+            ref = offload if RESUMES[kind][0] == "offload" else plain
             run = loaded[kind]
             got, want = losses(run), losses(ref)[half:]
             check(f"{kind}: resumed losses identical", got == want, f"{sum(a == b for a, b in zip(got, want))}/{len(want)}")
