@@ -185,15 +185,54 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
     wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
 
 
-def allocator_hint(alloc_conf: Optional[str]) -> Optional[str]:
-    """A start-up hint when PyTorch's caching allocator runs without expandable segments, with
-    which offloaded bytes come off *reserved* memory far better (measured on R1: 53 % of them by
-    default, 88-95 % with expandable segments). None when they are on."""
-    if alloc_conf and "expandable_segments:true" in alloc_conf.replace(" ", "").lower():
-        return None
-    return ("PYTORCH_CUDA_ALLOC_CONF does not set expandable_segments:True: with PyTorch's default "
-            "caching allocator part of the offloaded memory stays reserved (fragmentation). Set "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to get most of it back.")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+_allocator_note: Optional[str] = None  # what validate_args decided about the allocator, printed at attach
+
+
+def allocator_choice(alloc_conf: Optional[str]):
+    """(enable, note): whether to turn on expandable segments, and what to tell the user.
+
+    With PyTorch's default caching allocator a good part of the offloaded memory stays *reserved*:
+    every freed chunk is a segment of its own, the activations that fill it leave holes, and a
+    chunk coming back finds no block of its size and gets a new segment (measured on R1: 53 % of
+    the offloaded bytes came off peak reserved memory by default, 88-95 % with expandable
+    segments; the run without offloading reserves the same with both). So the plugin turns them on
+    when the user has not configured the allocator, and leaves any explicit setting alone.
+    """
+    conf = (alloc_conf or "").replace(" ", "").lower()
+    if not conf:
+        return True, ("turned on PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF was unset), so "
+                      "that offloaded memory comes off *reserved* memory; set PYTORCH_CUDA_ALLOC_CONF "
+                      "yourself (e.g. expandable_segments:False) to keep your own allocator settings.")
+    if "expandable_segments:true" in conf:
+        return False, None
+    return False, (f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf!r} does not set {EXPANDABLE_SEGMENTS}: with "
+                   "PyTorch's default caching allocator part of the offloaded memory stays reserved "
+                   f"(fragmentation). Add {EXPANDABLE_SEGMENTS} to get most of it back.")
+
+
+def _alloc_conf_from_env() -> Optional[str]:
+    # PYTORCH_ALLOC_CONF is the newer name of the same setting.
+    return ",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF"))))
+
+
+def configure_allocator() -> Optional[str]:
+    """Apply `allocator_choice` to this process. Returns the note for the log.
+
+    Runs in validate_args, before Megatron allocates anything on the GPU. The environment variable
+    covers an allocator not initialised yet and any child process; `_set_allocator_settings` one
+    that is (e.g. a script that set a memory fraction first): segments created from then on are
+    expandable."""
+    enable, note = allocator_choice(_alloc_conf_from_env())
+    if enable:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if setter is not None:
+            try:
+                setter(EXPANDABLE_SEGMENTS)
+            except RuntimeError as err:  # e.g. a backend without expandable segments
+                note = f"could not turn on expandable segments ({err}); set PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS}"
+    return note
 
 
 def attach(model, optimizer, args) -> OffloadCoordinator:
@@ -231,11 +270,8 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)
     _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers")
-    # (PYTORCH_ALLOC_CONF is the newer name of the same setting.)
-    hint = allocator_hint(",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-                                                 os.environ.get("PYTORCH_ALLOC_CONF")))))
-    if hint:
-        _print(hint)
+    if _allocator_note:
+        _print(_allocator_note)
     coordinator = coord
     return coord
 
@@ -266,6 +302,9 @@ def _wrap_validate_args(original):
             if os.environ.get("RANK", "0") == "0":
                 print(f"error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(2) from err
+        if getattr(args, "offload_optimizer_states", False) and not _stepped_aside:
+            global _allocator_note
+            _allocator_note = configure_allocator()
         return original(args, *a, **k)
 
     return wrapper

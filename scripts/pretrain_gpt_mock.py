@@ -434,11 +434,19 @@ class Recorder:
                     "saves": self.saves,
                     "timeline": self.timeline,
                     "adam_state_bytes": self.adam_state_bytes(),
+                    # Whether the caching allocator ran with expandable segments (set by the
+                    # user, or turned on by the plugin): None where the snapshot does not say.
+                    "expandable_segments": _expandable_segments(),
                     **extra,
                 },
                 f,
                 indent=1,
             )
+
+
+def _expandable_segments():
+    flags = [seg.get("is_expandable") for seg in torch.cuda.memory_snapshot()]
+    return None if not flags or None in flags else any(flags)
 
 
 if __name__ == "__main__":

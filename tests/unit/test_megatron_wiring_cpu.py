@@ -110,17 +110,23 @@ def test_non_distributed_optimizer_is_refused():
         list(megatron_wiring.iter_distributed_optimizers(Float16Optimizer()))
 
 
-def _run_launcher(tmp_path, extra):
+def _run_launcher(tmp_path, extra, alloc_conf=None):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
         from megatron.training.arguments import parse_and_validate_args
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+        import os
         print("PARSED offload_optimizer_states =", args.offload_optimizer_states, flush=True)
+        print("ALLOC_CONF =", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), flush=True)
     """))
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1",
             "--lr", "1e-4", "--mock-data", "--vocab-size", "128", *extra]
     env = dict(os.environ, WORLD_SIZE="1", RANK="0", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env.pop("PYTORCH_ALLOC_CONF", None)
+    if alloc_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     return subprocess.run([sys.executable, "-m", "megatron_offload", str(script), *argv],
                           capture_output=True, text=True, env=env, timeout=300)
 
@@ -167,16 +173,30 @@ def test_source_patch_applies_to_megatron_core_and_activates_the_plugin(tmp_path
     assert "ACTIVE" in out.stdout, out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("conf, hinted", [
-    (None, True),
-    ("", True),
-    ("max_split_size_mb:512", True),
-    ("expandable_segments:False", True),
-    ("expandable_segments:True", False),
-    ("max_split_size_mb:512, expandable_segments:true", False),
+@pytest.mark.parametrize("conf, enable, noted", [
+    (None, True, True),
+    ("", True, True),
+    ("max_split_size_mb:512", False, True),
+    ("expandable_segments:False", False, True),
+    ("expandable_segments:True", False, False),
+    ("max_split_size_mb:512, expandable_segments:true", False, False),
 ])
-def test_allocator_hint_only_without_expandable_segments(conf, hinted):
-    hint = megatron_wiring.allocator_hint(conf)
-    assert (hint is not None) == hinted
-    if hinted:
-        assert "expandable_segments:True" in hint
+def test_allocator_choice_enables_expandable_segments_only_when_unconfigured(conf, enable, noted):
+    turn_on, note = megatron_wiring.allocator_choice(conf)
+    assert turn_on == enable
+    assert (note is not None) == noted
+    if noted:
+        assert "expandable_segments" in note
+
+
+@pytest.mark.parametrize("flag, preset, expected", [
+    (True, None, "expandable_segments:True"),
+    (True, "expandable_segments:False", "expandable_segments:False"),
+    (False, None, "None"),
+])
+def test_launcher_turns_on_expandable_segments_only_with_the_flag_and_no_user_setting(tmp_path, flag, preset,
+                                                                                        expected):
+    extra = ["--use-distributed-optimizer"] + (["--offload-optimizer-states"] if flag else [])
+    out = _run_launcher(tmp_path, extra, alloc_conf=preset)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"ALLOC_CONF = {expected}" in out.stdout
