@@ -37,6 +37,7 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
+from . import auto_fraction
 from .offloader import DEFAULT_CHUNK_BYTES, ChunkState, OptimizerStateOffloader
 from .streams import CopyStreams, TransferTotals
 
@@ -69,6 +70,8 @@ class OffloadCoordinator:
         copy_piece_bytes: int = 0,
         free_block_sizes: Optional[Callable[[], List[int]]] = None,
         state_fraction: float = 1.0,
+        auto_fraction_at: Optional[int] = None,
+        memory_room: Optional[Callable[[], float]] = None,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -86,6 +89,13 @@ class OffloadCoordinator:
         self._free_block_sizes = free_block_sizes
         if self._free_block_sizes is None and self.device.type == "cuda" and memory_allocated is None:
             self._free_block_sizes = _free_block_reader(self.device, self.streams.compute)
+        # `--offload-state-fraction auto`: offload everything until iteration `auto_fraction_at`,
+        # measure it, then keep resident what cannot move for free (auto_fraction.py).
+        self.auto_fraction_at = auto_fraction_at
+        self.auto_choice: Optional[auto_fraction.Choice] = None
+        self._memory_room = memory_room or auto_fraction.memory_room(self.device)
+        self._recorder: Optional[auto_fraction.PhaseRecorder] = None
+        self._iterations_done = 0
         self.fit_checks = 0  # calls of _free_block_sizes, and their host time
         self.fit_check_ms = 0.0
         self.reloads_deferred_for_fit = 0
@@ -271,13 +281,19 @@ class OffloadCoordinator:
             self.phase = Phase.FREEING
 
     def forward_begin(self, training: bool = True) -> None:
+        first = training and self._train_forwards == 0
+        if first and self.auto_fraction_at == self._iterations_done + 1 and self.state_bytes:
+            self._recorder = auto_fraction.PhaseRecorder(self.streams.compute)
+            self.streams.stats.stall_sink = self._recorder.stalls
+            self._mark("iter_begin")
+        if training:
+            self._mark("fwd_begin")
         # Any forward (training or evaluation) may need the memory: start the copy-out now.
         self.start_pending_copy_out()
         if not training:
             # Evaluation forwards need the memory too, but do not count as microbatches.
             self._free_until(0)
             return
-        first = self._train_forwards == 0
         self._train_forwards += 1
         self._position = 0
         if not first:
@@ -339,8 +355,10 @@ class OffloadCoordinator:
         self._free_until(0, position=self._position)
         if self.bytes_in(ChunkState.OFFLOADED):
             self._fwd_end_max = max(self._fwd_end_max, self._allocated())
+        self._mark("fwd_end")
 
     def backward_begin(self) -> None:
+        self._mark("bwd_begin")
         if self._window_open or self._train_forwards == 0:
             return
         expected = self.expected_forwards() if self.expected_forwards is not None else None
@@ -349,6 +367,10 @@ class OffloadCoordinator:
             self._window_open = True
             self._trace("reload_window")
             self._reload_up_to(self._fwd_end_max, position=self._position)
+
+    def backward_end(self) -> None:
+        """The backward of one microbatch is enqueued (phase mark for the automatic fraction)."""
+        self._mark("bwd_end")
 
     def _on_layer_backward(self, grad, position: Optional[int] = None):
         if self._window_open and self.bytes_in(ChunkState.OFFLOADED):
@@ -378,6 +400,10 @@ class OffloadCoordinator:
         if self.peak_growth is None and self._freed_at_first_hook and peak > self._m0:
             self.peak_growth = peak - self._a0 + self._freed_this_iter
         self.peak_growth = max(self.peak_growth or 0, sampled)
+
+    def optimizer_step_begin(self) -> None:
+        """The training loop is about to call the (chained) optimizer's step."""
+        self._mark("step_begin")
 
     def _before_inner_step(self, off: OptimizerStateOffloader) -> None:
         if self._suspended:
@@ -422,9 +448,50 @@ class OffloadCoordinator:
         self._stepped.clear()
         self._train_forwards = 0
         self._window_open = False
+        self._iterations_done += 1
+        if self._recorder is not None:
+            self._mark("step_end")
+            self._choose_fraction()
         if self._chunks(ChunkState.COPYING_OUT) or self._copy_out_due:
             self.phase = Phase.FREEING
         self._trace("step_done")
+
+    # ------------------------------------------------------------------------------------------
+    # Automatic fraction (auto_fraction.py)
+    # ------------------------------------------------------------------------------------------
+    def _activation_bytes(self) -> int:
+        """Allocated bytes that are not chunk buffers (the planner's growth is relative)."""
+        return self._allocated() - self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_OUT, ChunkState.COPYING_IN)
+
+    def _mark(self, label: str) -> None:
+        if self._recorder is not None:
+            self._recorder.mark(label, self._activation_bytes())
+
+    def _choose_fraction(self) -> None:
+        """End of the calibration iteration: pick the fraction and re-pack the offloaders with it,
+        before their copy-out (due at the next forward) is enqueued."""
+        recorder, self._recorder = self._recorder, None
+        self.streams.stats.stall_sink = None
+        if any(c.state is not ChunkState.RESIDENT for off in self.offloaders for c in off.chunks):
+            # A skipped step: the state was sent back out unchanged. Measure the next iteration.
+            self.auto_fraction_at = self._iterations_done + 1
+            return
+        timeline, stalls_ms = recorder.timeline()
+        d2h, h2d = auto_fraction.bandwidth_of(self.streams.stats)
+        choice = auto_fraction.choose(timeline, self.state_bytes, d2h, h2d, self._memory_room(),
+                                      stalls_ms=stalls_ms)
+        self.auto_choice = choice
+        self.auto_fraction_at = None
+        self._trace(f"auto_fraction:{choice.fraction:.2f}")
+        self._announce_fn(choice.describe())
+        if choice.fraction >= 1.0:
+            return
+        self.state_fraction = choice.fraction
+        for off in self.offloaders:
+            off.fraction = choice.fraction
+            if off.chunks:
+                off.refresh()
+        self._announce()
 
     # ------------------------------------------------------------------------------------------
     # Readers and writers of the state outside the step (checkpointing, RL, param reload)

@@ -50,6 +50,11 @@ STATE_WRITERS = (
     "restore_from_cpu",
 )
 
+# `--offload-state-fraction auto` measures this iteration: the first has start-up costs, the
+# second is the first with the coordinator's memory profile.
+AUTO = "auto"
+AUTO_FRACTION_ITERATION = 3
+
 _installed = False
 _stepped_aside = False
 coordinator: Optional[OffloadCoordinator] = None
@@ -101,11 +106,13 @@ def add_arguments(parser):
     )
     group.add_argument(
         "--offload-state-fraction",
-        type=float,
+        type=_fraction_or_auto,
         default=1.0,
         help="Share (0 < f <= 1) of each DistributedOptimizer's state bytes to offload; the rest "
-        "stays on the GPU. Use it when the copies cannot be hidden (`python -m "
-        "megatron_offload.planner` computes how much can move for free). (megatron-offload)",
+        "stays on the GPU. 'auto': offload everything for the first iterations, measure one of them "
+        "(phase times, activation memory, copy bandwidth), then offload only what moves without "
+        "delaying the step, but at least what this GPU's memory requires. `python -m "
+        "megatron_offload.planner` computes the same from a profile. (megatron-offload)",
     )
     group.add_argument(
         "--offload-copy-piece-mb",
@@ -123,6 +130,10 @@ def add_arguments(parser):
     return parser
 
 
+def _fraction_or_auto(value: str):
+    return AUTO if value == AUTO else float(value)
+
+
 def validate_args(args) -> None:
     if _stepped_aside:
         return
@@ -134,10 +145,10 @@ def validate_args(args) -> None:
             raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
         if args.offload_copy_piece_mb < 0:
             raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
-        if not 0.0 < args.offload_state_fraction <= 1.0:
+        if args.offload_state_fraction != AUTO and not 0.0 < args.offload_state_fraction <= 1.0:
             raise validation.OffloadArgumentError(
-                "--offload-state-fraction must be in (0, 1]: the share of the optimizer state to "
-                "offload (drop --offload-optimizer-states to offload nothing)")
+                "--offload-state-fraction must be in (0, 1] or 'auto': the share of the optimizer "
+                "state to offload (drop --offload-optimizer-states to offload nothing)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,6 +252,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    auto = args.offload_state_fraction == AUTO
     coord = OffloadCoordinator(
         announce=lambda msg: _print(msg, all_ranks=True),
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
@@ -248,7 +260,8 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
         timing=not args.offload_no_timing,
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
-        state_fraction=args.offload_state_fraction,
+        state_fraction=1.0 if auto else args.offload_state_fraction,
+        auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
@@ -262,6 +275,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
 
     @functools.wraps(step)
     def step_and_notify(*a, **k):
+        coord.optimizer_step_begin()
         try:
             return step(*a, **k)
         finally:
@@ -362,9 +376,12 @@ def _wrap_forward_step(original):
 def _wrap_backward_step(original):
     @functools.wraps(original)
     def wrapper(*a, **k):
-        if _enabled():
-            coordinator.backward_begin()
-        return original(*a, **k)
+        if not _enabled():
+            return original(*a, **k)
+        coordinator.backward_begin()
+        out = original(*a, **k)
+        coordinator.backward_end()
+        return out
 
     return wrapper
 

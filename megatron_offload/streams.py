@@ -53,6 +53,9 @@ class TransferStats:
         self.cumulative_h2d_bytes = 0
         # Sum of everything harvested so far (timed copies and waits), for end-of-run reports.
         self.harvested = TransferTotals()
+        # When a list: every compute-stream wait also appends its (before, after) events here,
+        # timing or not (the automatic fraction removes the waits from its timeline).
+        self.stall_sink: Optional[list] = None
 
     def _event(self, stream) -> Optional[torch.cuda.Event]:
         if not self.timing or stream is None:
@@ -75,10 +78,27 @@ class TransferStats:
 
     @contextlib.contextmanager
     def exposed_wait(self, compute_stream, label: str):
-        before = self._event(compute_stream)
+        sink = self.stall_sink if compute_stream is not None else None
+        before = self._event(compute_stream) if sink is None else _timed_event(compute_stream)
         yield
         if before is not None:
-            self._waits.append((label, before, self._event(compute_stream)))
+            after = self._event(compute_stream) if sink is None else _timed_event(compute_stream)
+            if sink is not None:
+                sink.append((before, after))
+            if self.timing:
+                self._waits.append((label, before, after))
+
+    def peek(self) -> TransferTotals:
+        """Totals of the completed copies not harvested yet, leaving them for `harvest`."""
+        totals = TransferTotals()
+        for direction, start, end, nbytes in self._copies:
+            if end.query():
+                ms = start.elapsed_time(end)
+                if direction == "d2h":
+                    totals.d2h_bytes, totals.d2h_ms = totals.d2h_bytes + nbytes, totals.d2h_ms + ms
+                else:
+                    totals.h2d_bytes, totals.h2d_ms = totals.h2d_bytes + nbytes, totals.h2d_ms + ms
+        return totals
 
     def harvest(self) -> TransferTotals:
         """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
@@ -112,6 +132,12 @@ class TransferStats:
         for field in ("d2h_bytes", "h2d_bytes", "d2h_ms", "h2d_ms", "exposed_d2h_ms", "exposed_h2d_ms"):
             setattr(self.harvested, field, getattr(self.harvested, field) + getattr(totals, field))
         return totals
+
+
+def _timed_event(stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
 
 
 class CopyStreams:

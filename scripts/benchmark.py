@@ -15,6 +15,7 @@ same call. Results are written to <out>/benchmark.json.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,6 +48,8 @@ VARIANTS = {
     "offload-piece32": ["--offload-optimizer-states", "--offload-copy-piece-mb", "32"],
     # Fractional offload at the R1 planner's "free" fraction (python -m megatron_offload.planner).
     "offload-frac47": ["--offload-optimizer-states", "--offload-state-fraction", "0.47"],
+    # Measures iteration 3 of its own run, then offloads what moves for free (auto_fraction.py).
+    "offload-auto": ["--offload-optimizer-states", "--offload-state-fraction", "auto"],
     "recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"],
     "recompute+offload": ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -77,6 +80,7 @@ def summarize(run, warmup):
         "steady_max_reserved_gib": [run_peak(r, "max_reserved", warmup) / 2**30 for r in ranks],
         "offloaded_gib": [r.get("offloaded_bytes", 0) / 2**30 for r in ranks],
         "pinned_gib": [r.get("pinned_bytes", 0) / 2**30 for r in ranks],
+        "kept_gib": [r.get("kept_bytes", 0) / 2**30 for r in ranks],
         "losses": [it["loss"] for it in ranks[-1]["iterations"]],
         "timeline": ranks[0].get("timeline"),
         "transfer": ranks[0].get("transfer"),
@@ -84,6 +88,7 @@ def summarize(run, warmup):
         "fit_check_ms": [r.get("fit_check_ms") for r in ranks],
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
+        "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "startup_and_run_s": run["seconds"],
     }
 
@@ -109,6 +114,16 @@ def compare_with_planner(results, gbps):
                       "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB}
         print(f"planner {name}: floor {pred.ratio:.3f}x of the marked iteration "
               f"({pred.iteration_ms:.0f} / {prof.iteration_ms:.0f} ms); measured {r['ratio']:.3f}x")
+        if name.startswith("offload-auto") or name.startswith("offload-frac"):
+            # Issue 3's automatic mode: bytes off the peak against what the planner calls free
+            # (the whole state of the baseline, at <= 0.5 % predicted cost).
+            total = state + (r.get("kept_gib") or [0])[0] * planner.GiB
+            free = planner.free_bytes(dataclasses.replace(prof, state_bytes=total))
+            saved = r["reserved_saved_gib"] * planner.GiB
+            rows[name].update(planner_free_gib=free / planner.GiB, saved_of_free=saved / free if free else None)
+            print(f"planner {name}: free (<= 0.5 % cost) {free / planner.GiB:.2f} GiB of {total / planner.GiB:.2f}; "
+                  f"reserved saved {saved / planner.GiB:.2f} GiB = {saved / free if free else float('nan'):.0%} of it; "
+                  f"chosen in-run: {[a and round(a['fraction'], 2) for a in r.get('auto_fraction') or []]}")
     return rows
 
 

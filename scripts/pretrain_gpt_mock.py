@@ -26,6 +26,7 @@ Analyse it with scripts/alloc_trace.py.
 """
 
 import hashlib
+import dataclasses
 import json
 import os
 import time
@@ -411,6 +412,8 @@ class Recorder:
                                  "exposed_d2h_ms": moved.exposed_d2h_ms, "exposed_h2d_ms": moved.exposed_h2d_ms,
                                  "iterations": len(self.iterations)},
                     "offloaded_bytes": coord.state_bytes,
+                    "kept_bytes": sum(off.kept_bytes for off in coord.offloaders),
+                    "auto_fraction": dataclasses.asdict(coord.auto_choice) if coord.auto_choice else None,
                     "pinned_bytes": coord.pinned_bytes,
                     "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,
                     "cumulative_h2d_bytes": coord.streams.stats.cumulative_h2d_bytes,

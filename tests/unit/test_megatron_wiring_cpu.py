@@ -200,3 +200,11 @@ def test_launcher_turns_on_expandable_segments_only_with_the_flag_and_no_user_se
     out = _run_launcher(tmp_path, extra, alloc_conf=preset)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"ALLOC_CONF = {expected}" in out.stdout
+
+
+def test_state_fraction_auto_is_accepted_and_anything_else_not_a_number_refused():
+    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-state-fraction", "auto"])
+    megatron_wiring.validate_args(a)
+    assert a.offload_state_fraction == "auto"
+    with pytest.raises(SystemExit):
+        parse(["--offload-state-fraction", "most"])

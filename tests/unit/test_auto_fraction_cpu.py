@@ -1,0 +1,150 @@
+"""`--offload-state-fraction auto` on CPU: the choice from a measured timeline, the removal of copy
+waits from it, and the coordinator re-packing its offloaders after the calibration iteration."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_offload import OffloadCoordinator, auto_fraction, planner
+from megatron_offload.offloader import ChunkState
+
+from fakes import FakeDistOpt, assert_bitwise_equal, make_grads, snapshot
+
+GiB = 2**30
+
+
+def marks_of(segments):
+    """The marks a run would record for a planner profile (one per phase boundary)."""
+    labels = {"forward": "fwd", "backward": "bwd", "step": "step"}
+    marks, t = [("iter_begin", 0.0, 0)], 0.0
+    for seg in segments:
+        if seg.kind == "gap":
+            t += seg.ms
+            marks.append(("gap_end", t, seg.growth_end))
+            continue
+        marks.append((f"{labels[seg.kind]}_begin", t, seg.growth_start))
+        t += seg.ms
+        marks.append((f"{labels[seg.kind]}_end", t, seg.growth_end))
+    return marks
+
+
+def test_choice_from_a_timeline_is_what_the_planner_calls_free():
+    r1 = planner.PRESETS["r1"]
+    timeline = marks_of([s for s in r1.segments if s.kind != "step"])
+    choice = auto_fraction.choose(timeline, r1.state_bytes, 55.0, 55.0, room_bytes=math.inf)
+    reference = planner.Profile([s for s in r1.segments if s.kind != "step"], r1.state_bytes, 55.0, 55.0,
+                                auto_fraction.BOTH_DIRECTIONS_SHARE * 110.0)
+    free = planner.free_bytes(reference) / r1.state_bytes
+    assert 0.2 < free < 0.9  # R1: only part of the state moves for free
+    assert choice.free_fraction == pytest.approx(free, abs=0.01)
+    assert choice.fraction == math.floor(100 * choice.free_fraction) / 100
+    assert "free transfer" in choice.describe()
+
+
+def test_choice_keeps_no_more_resident_than_memory_allows():
+    r1 = planner.PRESETS["r1"]
+    timeline = marks_of([s for s in r1.segments if s.kind != "step"])
+    choice = auto_fraction.choose(timeline, r1.state_bytes, 55.0, 55.0, room_bytes=0.1 * r1.state_bytes)
+    assert choice.fit_fraction == pytest.approx(0.9)
+    assert choice.fraction == pytest.approx(0.9) and choice.fraction > choice.free_fraction
+    assert "bound by memory" in choice.describe()
+    # No room at all: everything moves.
+    assert auto_fraction.choose(timeline, r1.state_bytes, 55.0, 55.0, room_bytes=-GiB).fraction == 1.0
+
+
+def test_choice_is_everything_when_the_copies_fit_the_windows():
+    r1 = planner.PRESETS["r1"]
+    timeline = marks_of([s for s in r1.segments if s.kind != "step"])
+    assert auto_fraction.choose(timeline, 0.2 * GiB, 55.0, 55.0, room_bytes=math.inf).fraction == 1.0
+
+
+def test_copy_waits_are_removed_from_the_timeline():
+    rec = auto_fraction.PhaseRecorder(stream=None)  # host clock: times are given directly
+    rec.marks = [("iter_begin", 100.0, 0), ("fwd_begin", 100.0, 0), ("fwd_end", 180.0, 50),
+                 ("bwd_begin", 180.0, 50), ("bwd_end", 300.0, 0), ("step_begin", 300.0, 0),
+                 ("step_end", 360.0, 0)]
+    # 30 ms waiting for the copy-out inside the forward, 25 ms for the reload inside the step.
+    rec.stalls = [(120.0, 150.0), (310.0, 335.0)]
+    timeline, stalls_ms = rec.timeline()
+    assert stalls_ms == pytest.approx(55.0)
+    assert [t for _, t, _ in timeline] == pytest.approx([0, 0, 50, 50, 170, 170, 205])
+    assert [a for _, _, a in timeline] == [0, 0, 50, 50, 0, 0, 0]
+
+
+def _iteration(opt, coord, step, microbatches=2, layers=3):
+    for _ in range(microbatches):
+        coord.forward_begin(True)
+        for _ in range(layers):
+            coord._on_layer_forward(None, ())
+        coord.forward_end()
+        coord.backward_begin()
+        for _ in range(layers):
+            coord._on_layer_backward(None)
+        coord.backward_end()
+    coord.grads_finalizing()
+    make_grads(opt.all_params(), step)
+    coord.optimizer_step_begin()
+    opt.step()
+    coord.optimizer_step_done()
+
+
+def test_coordinator_measures_the_calibration_iteration_then_repacks_with_the_choice(monkeypatch):
+    seen = {}
+
+    def fake_choose(timeline, state_bytes, d2h, h2d, room, **kw):
+        seen.update(labels=[label for label, _, _ in timeline], state_bytes=state_bytes, room=room)
+        return auto_fraction.Choice(0.5, 0.5, 0.0, 1.0, 0.0, d2h, h2d)
+
+    monkeypatch.setattr(auto_fraction, "choose", fake_choose)
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                               expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
+                               memory_room=lambda: 12345.0)
+    off = coord.add_optimizer(opt)
+    for step in range(6):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        _iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        if step < 2:
+            assert coord.auto_choice is None and not off.kept  # full offload until measured
+        if step == 2:
+            total = seen["state_bytes"]
+            assert seen["room"] == 12345.0
+            assert seen["labels"] == ["iter_begin", "fwd_begin", "fwd_end", "bwd_begin", "bwd_end",
+                                      "fwd_begin", "fwd_end", "bwd_begin", "bwd_end", "step_begin", "step_end"]
+        if step >= 2:
+            assert coord.auto_choice.fraction == 0.5 and off.fraction == 0.5
+            assert off.kept and off.state_bytes <= 0.5 * total
+            assert off.state_bytes + off.kept_bytes == total
+            assert off.pinned_bytes == sum(c.nbytes for c in off.chunks)
+    # After the next forward the offloaded half is off, the kept half untouched.
+    coord.forward_begin(True)
+    coord.forward_end()
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
+    assert "kept on the GPU (--offload-state-fraction 0.5)" in coord.describe()
+    assert "auto_fraction:0.50" in coord.events
+
+
+def test_calibration_moves_to_the_next_iteration_after_a_skipped_step(monkeypatch):
+    calls = []
+    monkeypatch.setattr(auto_fraction, "choose",
+                        lambda *a, **k: calls.append(1) or auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
+    opt = FakeDistOpt()
+    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                               expected_forwards_per_iteration=lambda: 1, auto_fraction_at=2,
+                               memory_room=lambda: math.inf)
+    coord.add_optimizer(opt)
+    _iteration(opt, coord, 0, microbatches=1)  # creates the state
+    # Iteration 2 skips its step (as with inf/nan grads): nothing to measure a step by.
+    coord.forward_begin(True)
+    coord.forward_end()
+    coord.backward_begin()
+    coord.backward_end()
+    coord.grads_finalizing()
+    coord.optimizer_step_begin()
+    coord.optimizer_step_done()
+    assert not calls and coord.auto_fraction_at == 3
+    _iteration(opt, coord, 2, microbatches=1)
+    assert calls == [1] and coord.auto_choice.fraction == 1.0 and coord.auto_fraction_at is None
