@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,19 @@ VARIANTS = {
     "native-offload": [],
 }
 VARIANT_ENV = {"native-offload": {"MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP": "1"}}
+
+
+def variant_args(variant):
+    """Arguments of a variant: one of VARIANTS, or offload-chunk<MiB> / offload-frac<percent>."""
+    if variant in VARIANTS:
+        return VARIANTS[variant]
+    m = re.fullmatch(r"offload-(chunk|frac)(\d+)", variant)
+    if not m:
+        raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}, offload-chunk<MiB>, "
+                         "offload-frac<percent>")
+    if m.group(1) == "chunk":
+        return ["--offload-optimizer-states", "--offload-chunk-size-mb", m.group(2)]
+    return ["--offload-optimizer-states", "--offload-state-fraction", str(int(m.group(2)) / 100)]
 # Variants several times slower than the baseline stop after fewer iterations (their median needs
 # fewer); losses are compared over the iterations both ran.
 MAX_ITERS = {"cpu-offload": 14, "native-offload": 10}
@@ -173,7 +187,7 @@ def main(argv=None):
         warmup = min(opts.warmup, iters // 2)
         # Same --train-iters (hence the same LR schedule and losses); stop early with --exit-interval.
         stop = ["--exit-interval", str(iters)] if iters < opts.iters else []
-        run = launch(name, base + VARIANTS[variant] + stop, opts.nproc, opts.out, env_extra=env)
+        run = launch(name, base + variant_args(variant) + stop, opts.nproc, opts.out, env_extra=env)
         results[name] = summarize(run, warmup)
         results[name]["iterations_timed"] = f"{warmup + 1}-{iters}"
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)

@@ -17,13 +17,13 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import PRESETS, VARIANTS  # noqa: E402
+from benchmark import PRESETS, variant_args  # noqa: E402
 from megatron_runs import launch, model_args  # noqa: E402
 
 
 def probe(variant, layers, opts, fraction):
     shape = dict(PRESETS["r1"], layers=layers)
-    args = model_args(opts.iters, **shape) + VARIANTS[variant]
+    args = model_args(opts.iters, **shape) + variant_args(variant)
     name = f"fit-{variant}-{layers}"
     try:
         run = launch(name, args, opts.nproc, opts.out, env_extra={"MEGATRON_OFFLOAD_MEMORY_FRACTION": str(fraction)})

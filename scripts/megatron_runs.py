@@ -76,9 +76,23 @@ def _command(name, args, nproc, out, script, env_extra):
 def launch_expecting_failure(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=300,
                              env_extra=None):
     """Run a command that should be refused; returns (exit code, log text, seconds)."""
-    cmd, env, _ = _command(name, args, nproc, out, script, env_extra)
-    code, elapsed = _run(name, cmd, env, out, timeout)
+    code, elapsed, _ = _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout)
     return code, open(os.path.join(out, f"{name}.log")).read(), elapsed
+
+
+def _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout, attempts=3):
+    """(exit code, seconds, record dir). The rendezvous port is picked free but released before
+    torchrun binds it: a concurrent run (or its NCCL sockets) can take it first, and torchrun then
+    exits with EADDRINUSE before any rank starts. Only that failure is retried, on a new port."""
+    for attempt in range(attempts):
+        cmd, env, record = _command(name, args, nproc, out, script, env_extra)
+        code, elapsed = _run(name, cmd, env, out, timeout)
+        if code == 0 or attempt == attempts - 1:
+            break
+        log = open(os.path.join(out, f"{name}.log")).read()
+        if "EADDRINUSE" not in log or "The server socket has failed to listen" not in log:
+            break
+    return code, elapsed, record
 
 
 def _run(name, cmd, env, out, timeout):
@@ -111,8 +125,7 @@ def replay_failure(name, out):
 
 
 def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600, env_extra=None):
-    cmd, env, record = _command(name, args, nproc, out, script, env_extra)
-    code, elapsed = _run(name, cmd, env, out, timeout)
+    code, elapsed, record = _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout)
     if code != 0:
         tail = open(os.path.join(out, f"{name}.log")).read()[-4000:]
         raise RuntimeError(f"{name} failed (exit {code}) after {elapsed:.0f}s:\n{tail}")

@@ -163,6 +163,31 @@ def test_host_buffer_exact_size_and_reused():
     assert off.host is host  # allocated once, reused every step
 
 
+def test_a_small_state_is_split_into_several_chunks(monkeypatch):
+    """A state smaller than MIN_CHUNKS chunks still gets about MIN_CHUNKS of them: one chunk is
+    what packing holds twice and the hole a freed chunk leaves, so it must stay small against the
+    state (a one-chunk state doubled the start-up peak of the small PP2 runs)."""
+    from megatron_offload import offloader
+
+    monkeypatch.setattr(offloader, "MIN_CHUNK_BYTES", 256)
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord(chunk_bytes=2**30)  # far larger than the whole state
+    off = coord.add_optimizer(opt)
+    for step in range(3):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    largest = max(st.nbytes for st in off.discovery.tensors)
+    assert len(off.chunks) >= offloader.MIN_CHUNKS // 2, off.chunks
+    assert all(c.nbytes <= max(-(-off.state_bytes // offloader.MIN_CHUNKS), largest) + TENSOR_ALIGNMENT
+               for c in off.chunks), off.chunks
+    monkeypatch.setattr(offloader, "MIN_CHUNK_BYTES", 2**30)  # the floor wins over the split
+    off.make_resident(will_modify=True)
+    coord._copy_out_due.clear()
+    off.refresh()
+    assert len(off.chunks) == 1
+
+
 def test_every_chunk_buffer_has_one_slot_size_and_the_host_copy_is_exact():
     """Chunks of different packed sizes get GPU buffers of one size, so that the block any chunk
     frees takes any other chunk (the caching allocator never merges blocks across segments)."""
