@@ -87,8 +87,9 @@ def _snapshot(value):
 def pieces_by_last_chunk(chunks) -> List[List[torch.Tensor]]:
     """Piece k: the parameters whose last state tensor lies in chunk k (so that all of their
     state is resident once chunks up to k are, given the chunks that hold their first tensors).
-    Chunks are packed in parameter order, so a parameter spans at most its chunk and the one
-    before. Returns one list per chunk (possibly empty)."""
+    (Chunks are filled first-fit, so a parameter's tensors may lie in chunks far apart; the
+    piece is still complete once chunks up to k are resident.) Returns one list per chunk
+    (possibly empty)."""
     last: Dict[int, int] = {}
     param_of: Dict[int, torch.Tensor] = {}
     for k, chunk in enumerate(chunks):

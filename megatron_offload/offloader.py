@@ -183,14 +183,21 @@ class OptimizerStateOffloader:
         total = sum(st.nbytes for st in managed)
         chunk_bytes = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-total // MIN_CHUNKS)))
         target = max([chunk_bytes] + [align_up(st.nbytes, TENSOR_ALIGNMENT) for st in managed])
+        # First fit: a tensor goes into the first chunk with room for it. Filling chunks strictly
+        # in order would close a chunk half-empty before every large tensor (an embedding's master
+        # and moments), and every chunk is padded to the largest (below): measured on the PP2
+        # matrix cases, 0.26 GiB of state took 0.73 GiB of GPU buffers, and the step, which has
+        # them all back, became the run's peak. Chunks then hold tensors out of parameter order;
+        # nothing depends on that order (the fraction split is made before packing).
         layouts = []  # per chunk: [tensors, their offsets, packed bytes so far]
         for st in managed:
-            if not layouts or layouts[-1][2] + st.nbytes > target:
-                layouts.append([[], [], 0])
-            tensors, offsets, nbytes = layouts[-1]
-            tensors.append(st)
-            offsets.append(nbytes)
-            layouts[-1][2] = align_up(nbytes + st.nbytes, TENSOR_ALIGNMENT)
+            layout = next((lay for lay in layouts if lay[2] + st.nbytes <= target), None)
+            if layout is None:
+                layout = [[], [], 0]
+                layouts.append(layout)
+            layout[0].append(st)
+            layout[1].append(layout[2])
+            layout[2] = align_up(layout[2] + st.nbytes, TENSOR_ALIGNMENT)
         chunks = [Chunk(i, tensors, offsets, nbytes) for i, (tensors, offsets, nbytes) in enumerate(layouts)]
         # Every GPU buffer gets the size of the largest chunk (host copies stay exact). The caching
         # allocator never merges blocks of different segments: a chunk reloaded into the block
