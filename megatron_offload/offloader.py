@@ -58,6 +58,25 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def _first_fit(tensors: List[StateTensor], target: int) -> list:
+    """Chunk layouts [tensors, offsets, packed bytes] with each tensor in the first chunk that has
+    room for it. Filling chunks strictly in order would close a chunk half-empty before every large
+    tensor (an embedding's master and moments), and every chunk is padded to the largest: measured
+    on the PP2 matrix cases, 0.26 GiB of state took 0.73 GiB of GPU buffers, and the step, which
+    has them all back, became the run's peak. Chunks then hold tensors out of parameter order;
+    nothing depends on that order (the fraction split is made before packing)."""
+    layouts = []
+    for st in tensors:
+        layout = next((lay for lay in layouts if lay[2] + st.nbytes <= target), None)
+        if layout is None:
+            layout = [[], [], 0]
+            layouts.append(layout)
+        layout[0].append(st)
+        layout[1].append(layout[2])
+        layout[2] = align_up(layout[2] + st.nbytes, TENSOR_ALIGNMENT)
+    return layouts
+
+
 class ChunkState(enum.Enum):
     RESIDENT = "resident"
     COPYING_OUT = "copying_out"
@@ -178,26 +197,20 @@ class OptimizerStateOffloader:
             if st.tensor.untyped_storage().nbytes() > st.nbytes:
                 st.tensor.data = st.tensor.detach().clone()
         # A tensor larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
-        # below) that every chunk is padded to: fill the others up to that size too, so that the
-        # padding stays small.
+        # below) that every chunk is padded to.
         total = sum(st.nbytes for st in managed)
         chunk_bytes = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-total // MIN_CHUNKS)))
-        target = max([chunk_bytes] + [align_up(st.nbytes, TENSOR_ALIGNMENT) for st in managed])
-        # First fit: a tensor goes into the first chunk with room for it. Filling chunks strictly
-        # in order would close a chunk half-empty before every large tensor (an embedding's master
-        # and moments), and every chunk is padded to the largest (below): measured on the PP2
-        # matrix cases, 0.26 GiB of state took 0.73 GiB of GPU buffers, and the step, which has
-        # them all back, became the run's peak. Chunks then hold tensors out of parameter order;
-        # nothing depends on that order (the fraction split is made before packing).
-        layouts = []  # per chunk: [tensors, their offsets, packed bytes so far]
-        for st in managed:
-            layout = next((lay for lay in layouts if lay[2] + st.nbytes <= target), None)
-            if layout is None:
-                layout = [[], [], 0]
-                layouts.append(layout)
-            layout[0].append(st)
-            layout[1].append(layout[2])
-            layout[2] = align_up(layout[2] + st.nbytes, TENSOR_ALIGNMENT)
+        largest = max([align_up(st.nbytes, TENSOR_ALIGNMENT) for st in managed], default=0)
+        target = max(chunk_bytes, largest)
+        # Balanced: as many chunks as `target` needs, each about total / count, so that the last
+        # one is not a small remainder padded up to the slot size (below). Up to 10 % of slack
+        # until first fit manages with that count, else chunks of `target`.
+        count = max(1, -(-total // target))
+        per_chunk = -(-total // count)
+        for size in [per_chunk * (100 + slack) // 100 for slack in range(11)] + [target]:
+            layouts = _first_fit(managed, max(largest, size))
+            if len(layouts) <= count:
+                break
         chunks = [Chunk(i, tensors, offsets, nbytes) for i, (tensors, offsets, nbytes) in enumerate(layouts)]
         # Every GPU buffer gets the size of the largest chunk (host copies stay exact). The caching
         # allocator never merges blocks of different segments: a chunk reloaded into the block

@@ -268,8 +268,10 @@ def test_state_dict_identical_after_offload():
         assert_same(da.get_parameter_state_dp_zero(), db.get_parameter_state_dp_zero())
         assert_same(da.state_dict(), db.state_dict())
         coord.after_state_access(off, modified=False)
-    # Reading for a checkpoint brings the state back at most once: memory grows by the state only.
-    assert torch.cuda.memory_allocated() <= peak_before + coord.state_bytes + 2**20
+    # Reading for a checkpoint brings the state back at most once: memory grows by the chunk
+    # buffers only, i.e. the state plus the few per cent that padding to one slot size costs.
+    assert coord.gpu_bytes <= 1.05 * coord.state_bytes + 2**21 * sum(len(o.chunks) for o in coord.offloaders)
+    assert torch.cuda.memory_allocated() <= peak_before + coord.gpu_bytes + 2**20
     coord.close()
 
 
