@@ -3,7 +3,7 @@
 The planner (`planner.py`) computes, from the timeline of one iteration *without* offloading and
 the copy bandwidth, how many state bytes can leave the peak at no cost. In a real job there is no
 such iteration to look at: the user may not fit without offloading. So the automatic mode offloads
-everything for the first iterations and, in one of them (`calibrate_at`), records
+everything for the first iterations and, in one of them (`OffloadCoordinator.auto_fraction_at`), records
 
 * CUDA events on the compute stream at the phase boundaries the planner uses (forward and
   backward of every microbatch, the optimizer step), with the activation bytes at each (allocated

@@ -230,7 +230,7 @@ def _alloc_conf_from_env() -> Optional[str]:
 def configure_allocator() -> Optional[str]:
     """Apply `allocator_choice` to this process. Returns the note for the log.
 
-    Runs in validate_args, before Megatron allocates anything on the GPU. The environment variable
+    Runs when Megatron validates the arguments, before it allocates anything on the GPU. The variable
     covers an allocator not initialised yet and any child process; `_set_allocator_settings` one
     that is (e.g. a script that set a memory fraction first): segments created from then on are
     expandable."""
