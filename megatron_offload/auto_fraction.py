@@ -29,6 +29,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from . import planner
+from .streams import timed_event
 
 # Both directions at once, as a share of the sum of the two: measured 100.8 of 110.6 GB/s (x2
 # host) and 93.7 of 110.4 GB/s (x4 host); the lower one.
@@ -65,11 +66,7 @@ class PhaseRecorder:
         self.stalls: List[Tuple[object, object]] = []  # (before, after) a compute-stream wait
 
     def _now(self):
-        if self.stream is None:
-            return time.perf_counter() * 1e3
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self.stream)
-        return event
+        return time.perf_counter() * 1e3 if self.stream is None else timed_event(self.stream)
 
     def mark(self, label: str, activation_bytes: int) -> None:
         self.marks.append((label, self._now(), activation_bytes))

@@ -1,6 +1,6 @@
 """`OptimizerStateOffloader`: moves one DistributedOptimizer's state between GPU and pinned host memory.
 
-The state is packed into chunks of about `chunk_bytes`: whole tensors, in parameter order, copied
+The state is packed into chunks of about `chunk_bytes`: whole tensors, filled first-fit, copied
 into one contiguous buffer per chunk and re-pointed there with `.data` (the tensor objects, and every
 reference to them, stay the same). Freeing a chunk frees one large block, which the caching
 allocator can hand to any activation up to that size; freeing many small per-tensor blocks instead
@@ -85,7 +85,7 @@ class ChunkState(enum.Enum):
 
 
 class Chunk:
-    """Whole state tensors, adjacent in parameter order, packed into one buffer and moved together."""
+    """Whole state tensors packed into one buffer and moved together."""
 
     def __init__(self, index: int, tensors: List[StateTensor], offsets: List[int], nbytes: int):
         self.index = index

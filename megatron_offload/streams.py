@@ -58,11 +58,7 @@ class TransferStats:
         self.stall_sink: Optional[list] = None
 
     def _event(self, stream) -> Optional[torch.cuda.Event]:
-        if not self.timing or stream is None:
-            return None
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        return ev
+        return timed_event(stream) if self.timing and stream is not None else None
 
     def start_copy(self, stream, direction: str):
         return (direction, self._event(stream))
@@ -79,34 +75,22 @@ class TransferStats:
     @contextlib.contextmanager
     def exposed_wait(self, compute_stream, label: str):
         sink = self.stall_sink if compute_stream is not None else None
-        before = self._event(compute_stream) if sink is None else _timed_event(compute_stream)
+        timed = compute_stream is not None and (self.timing or sink is not None)
+        before = timed_event(compute_stream) if timed else None
         yield
         if before is not None:
-            after = self._event(compute_stream) if sink is None else _timed_event(compute_stream)
+            after = timed_event(compute_stream)
             if sink is not None:
                 sink.append((before, after))
             if self.timing:
                 self._waits.append((label, before, after))
 
-    def peek(self) -> TransferTotals:
-        """Totals of the completed copies not harvested yet, leaving them for `harvest`."""
-        totals = TransferTotals()
-        for direction, start, end, nbytes in self._copies:
-            if end.query():
-                ms = start.elapsed_time(end)
-                if direction == "d2h":
-                    totals.d2h_bytes, totals.d2h_ms = totals.d2h_bytes + nbytes, totals.d2h_ms + ms
-                else:
-                    totals.h2d_bytes, totals.h2d_ms = totals.h2d_bytes + nbytes, totals.h2d_ms + ms
-        return totals
-
-    def harvest(self) -> TransferTotals:
-        """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
-        totals = TransferTotals()
-        still_copies = []
+    def _add_completed_copies(self, totals: TransferTotals) -> list:
+        """Add the copies whose end event has completed to `totals`; returns those still in flight."""
+        in_flight = []
         for direction, start, end, nbytes in self._copies:
             if not end.query():
-                still_copies.append((direction, start, end, nbytes))
+                in_flight.append((direction, start, end, nbytes))
                 continue
             ms = start.elapsed_time(end)
             if direction == "d2h":
@@ -115,7 +99,18 @@ class TransferStats:
             else:
                 totals.h2d_bytes += nbytes
                 totals.h2d_ms += ms
-        self._copies = still_copies
+        return in_flight
+
+    def peek(self) -> TransferTotals:
+        """Totals of the completed copies not harvested yet, leaving them for `harvest`."""
+        totals = TransferTotals()
+        self._add_completed_copies(totals)
+        return totals
+
+    def harvest(self) -> TransferTotals:
+        """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
+        totals = TransferTotals()
+        self._copies = self._add_completed_copies(totals)
         still_waits = []
         for label, before, after in self._waits:
             if not after.query():
@@ -134,7 +129,8 @@ class TransferStats:
         return totals
 
 
-def _timed_event(stream) -> torch.cuda.Event:
+def timed_event(stream) -> torch.cuda.Event:
+    """A timing event recorded on `stream` now."""
     ev = torch.cuda.Event(enable_timing=True)
     ev.record(stream)
     return ev
