@@ -1,4 +1,4 @@
-"""The inner optimizer step, run piece by piece (issue 4, work in progress: core only, not wired).
+"""The inner optimizer step, run piece by piece (`--offload-chunked-step`; the coordinator drives it).
 
 Stepping all parameters at once needs the whole optimizer state on the GPU, plus the temporaries
 of a foreach/multi-tensor Adam over all of it. Stepping in pieces bounds both: only the pieces in
@@ -138,7 +138,8 @@ def copy_main_params_to_model_params_for(dist_opt, main_params: Sequence[torch.T
             setattr(dist_opt, name, value)
 
 
-def install_piecewise_step(dist_opt, make_pieces, before_piece=lambda k: None, after_piece=lambda k: None):
+def install_piecewise_step(dist_opt, make_pieces, before_piece=lambda k: None, after_piece=lambda k: None,
+                           enabled=lambda: True, after_step=lambda: None):
     """Make `dist_opt.step_with_ready_grads()` step its inner optimizer piece by piece.
 
     megatron-core's `step_with_ready_grads` calls `self.optimizer.step()` and then
@@ -146,6 +147,8 @@ def install_piecewise_step(dist_opt, make_pieces, before_piece=lambda k: None, a
     becomes `step_in_pieces` over `make_pieces()` (called at each step: the chunks may have been
     re-packed), each piece's masters are copied to the model params right after the piece, and
     the whole-model copy that follows is skipped for that step only (other callers keep it).
+    While `enabled()` is false (a checkpoint API's dummy step, with the state resident) the inner
+    step runs whole, as installed. `after_step()` runs after the last piece.
     Not for fp8/nvfp4 param gather (their copy path quantizes across params). Returns a function
     that undoes the installation.
     """
@@ -154,6 +157,8 @@ def install_piecewise_step(dist_opt, make_pieces, before_piece=lambda k: None, a
     state = {"copied": False}
 
     def piecewise_step(*args, **kwargs):
+        if not enabled():
+            return whole_step(*args, **kwargs)
         assert not args and not kwargs, "closures are not supported by the piecewise step"
         pieces = make_pieces()
 
@@ -167,6 +172,7 @@ def install_piecewise_step(dist_opt, make_pieces, before_piece=lambda k: None, a
         finally:
             inner.step = piecewise_step
         state["copied"] = True
+        after_step()
 
     def copy_unless_done_in_pieces():
         if state["copied"]:

@@ -37,13 +37,17 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-from . import auto_fraction
+from . import auto_fraction, chunked_step
 from .offloader import DEFAULT_CHUNK_BYTES, ChunkState, OptimizerStateOffloader
 from .streams import CopyStreams, TransferTotals
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MARGIN_BYTES = 64 * 2**20
+# The chunked step keeps at least this many chunks' room for state during the step: one being
+# stepped, the next one loading, the previous one still copying out (its D2H must finish before its
+# memory can take the one after next).
+STEP_WINDOW_CHUNKS = 3
 
 
 class Phase(enum.Enum):
@@ -72,6 +76,8 @@ class OffloadCoordinator:
         state_fraction: float = 1.0,
         auto_fraction_at: Optional[int] = None,
         memory_room: Optional[Callable[[], float]] = None,
+        chunked_step: bool = False,
+        step_budget_bytes: int = 0,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -99,6 +105,15 @@ class OffloadCoordinator:
         self.fit_checks = 0  # calls of _free_block_sizes, and their host time
         self.fit_check_ms = 0.0
         self.reloads_deferred_for_fit = 0
+        # The chunked step (module doc of chunked_step.py): state resident during the step is
+        # bounded by `step_budget_bytes` (0: chosen at each step, `_step_budget`).
+        self.chunked_step = chunked_step
+        self.step_budget_bytes = step_budget_bytes
+        self.step_budgets: List[int] = []  # the budget of each chunked step so far (bounded)
+        self._step_order = {}  # id(offloader) -> its chunks in the order the chunked step takes them
+        self._stepped_out: List = []  # (offloader, chunk) copied out during the step, oldest first
+        self._step_budget_now = 0
+        self._skipped_last_step = False
         self.offloaders: List[OptimizerStateOffloader] = []
         self.phase = Phase.NO_STATE
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
@@ -131,10 +146,23 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     def add_optimizer(self, dist_opt, name: str = "optimizer") -> OptimizerStateOffloader:
         off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name,
-                                      copy_piece_bytes=self.copy_piece_bytes, fraction=self.state_fraction)
+                                      copy_piece_bytes=self.copy_piece_bytes, fraction=self.state_fraction,
+                                      by_parameter=self.chunked_step)
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)
-        if inner is not None and not getattr(dist_opt, "is_stub_optimizer", False):
+        if inner is None or getattr(dist_opt, "is_stub_optimizer", False):
+            return off
+        if self.chunked_step:
+            uninstall = chunked_step.install_piecewise_step(
+                dist_opt,
+                make_pieces=lambda off=off: self._begin_chunked_step(off),
+                before_piece=lambda k, off=off: self._before_piece(off, k),
+                after_piece=lambda k, off=off: self._after_piece(off, k),
+                enabled=lambda: not self._suspended,
+                after_step=lambda off=off: self._after_inner_step(off),
+            )
+            self._hook_handles.append(_Undo(uninstall))
+        else:
             self._hook_handles.append(
                 inner.register_step_pre_hook(lambda opt, a, k, off=off: self._before_inner_step(off))
             )
@@ -380,7 +408,12 @@ class OffloadCoordinator:
     def grads_finalizing(self) -> None:
         """All backwards are enqueued: reload whatever is still off (fallback trigger)."""
         self._trace("grads_finalizing")
-        self._reload_up_to(None)
+        if self.chunked_step:
+            # Only what the step's budget holds; the step loads the rest piece by piece.
+            self._step_budget_now = self._step_budget()
+            self._admit(self._chunks(ChunkState.OFFLOADED), self._step_budget_now)
+        else:
+            self._reload_up_to(None)
         self._update_peak_growth()
 
     def _update_peak_growth(self) -> None:
@@ -417,7 +450,10 @@ class OffloadCoordinator:
         if self._suspended:
             return
         if off.needs_refresh:
-            # The first step created the moments lazily; they exist only now.
+            # The first step created the moments lazily (TE/Apex FusedAdam; torch Adam's are
+            # created before the first forward); they exist only now. Packing needs every chunk
+            # back (once; with the chunked step some have already left again).
+            off.make_resident(will_modify=True)
             off.refresh()
             self._announce()
         self._trace(f"step_end:{off.name}")
@@ -435,17 +471,21 @@ class OffloadCoordinator:
         finish before the forward's first free. (Also after the parameter all-gather: on PCIe
         hosts the D2H and NCCL share the GPU's link.)
         """
+        self._skipped_last_step = False
         for off in self.offloaders:
             if id(off) in self._stepped:
                 self._copy_out_due.append(off)
             else:
                 # Skipped step (inf/nan, grad-norm threshold) or a stub: the reload may be in
-                # flight and the state unchanged. Make it whole and send it back out; the host
-                # copy is still current, so no D2H is needed.
-                off.make_resident(will_modify=False)
-                off.start_copy_out()
+                # flight and the state is unchanged, so the host copy is still current: what
+                # came back leaves again without a D2H, the rest stays off.
+                off.settle_unmodified()
+                self._skipped_last_step = self._skipped_last_step or bool(off.chunks)
                 self._trace(f"skipped:{off.name}")
         self._stepped.clear()
+        self._stepped_out.clear()
+        self._step_order.clear()
+        self._step_budget_now = 0
         self._train_forwards = 0
         self._window_open = False
         self._iterations_done += 1
@@ -455,6 +495,92 @@ class OffloadCoordinator:
         if self._chunks(ChunkState.COPYING_OUT) or self._copy_out_due:
             self.phase = Phase.FREEING
         self._trace("step_done")
+
+    # ------------------------------------------------------------------------------------------
+    # Chunked step (chunked_step.py): piece k of an offloader's step is its chunk k
+    # ------------------------------------------------------------------------------------------
+    def _step_budget(self) -> int:
+        """Chunk bytes that may be resident during the step.
+
+        The step should not set the iteration's peak: allocated memory there may reach what the
+        forwards reached with the state off (`_fwd_end_max`, the same ceiling as the backward's
+        reloads), less one chunk's worth of Adam temporaries (a foreach Adam over a piece
+        allocates a few piece-sized lists) and the margin. Never below STEP_WINDOW_CHUNKS chunks,
+        which the pipeline needs; when the activations leave more room (R1), the whole state.
+        """
+        slot = max((c.gpu_nbytes for _, c in self._chunks(*ChunkState)), default=0)
+        if self.step_budget_bytes:
+            return max(self.step_budget_bytes, slot)
+        floor = STEP_WINDOW_CHUNKS * slot
+        if not self._fwd_end_max:
+            return floor
+        resident = self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
+        other = self._allocated() - resident
+        return max(floor, self._fwd_end_max - other - slot - self.margin_bytes)
+
+    def _step_resident(self) -> int:
+        return self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
+
+    def _admit(self, todo, budget: int, force_first: bool = False) -> None:
+        """Start the reload of the OFFLOADED chunks of `todo` ((offloader, chunk), in step order)
+        while the state resident stays within `budget`, freeing chunks the step has already
+        copied out to make room. `force_first`: the first one is needed now, budget or not."""
+        for i, (off, chunk) in enumerate(todo):
+            if chunk.state is not ChunkState.OFFLOADED:
+                continue
+            over = self._step_resident() + chunk.gpu_nbytes - budget
+            if over > 0:
+                self._free_stepped(over)
+                if self._step_resident() + chunk.gpu_nbytes > budget and not (force_first and i == 0):
+                    return
+            off.start_copy_in([chunk])
+
+    def _free_stepped(self, nbytes: int) -> None:
+        """Free chunks the step copied out, oldest copy first (the likeliest to be done: `free`
+        makes the compute stream wait for it), until `nbytes` are freed or none is left."""
+        while nbytes > 0 and self._stepped_out:
+            off, chunk = self._stepped_out.pop(0)
+            if chunk.state is ChunkState.COPYING_OUT:
+                nbytes -= off.free([chunk])
+
+    def _begin_chunked_step(self, off: OptimizerStateOffloader):
+        """The pieces of `off`'s step: chunks already back (or coming) first, then the rest."""
+        self._trace(f"step_begin:{off.name}")
+        self.phase = Phase.STEPPING
+        self._stepped.add(id(off))
+        if not self._step_budget_now:
+            self._step_budget_now = self._step_budget()
+        self.step_budgets = (self.step_budgets + [self._step_budget_now])[-64:]
+        rank = {ChunkState.RESIDENT: 0, ChunkState.COPYING_OUT: 0, ChunkState.COPYING_IN: 1,
+                ChunkState.OFFLOADED: 2}
+        order = sorted(off.chunks, key=lambda c: rank[c.state])
+        self._step_order[id(off)] = order
+        # One piece per chunk (a parameter's state is never split across chunks), then one for
+        # the parameters with no chunk: state kept by the fraction, or not created yet.
+        return chunked_step.complete_pieces(off.dist_opt.optimizer, chunked_step.pieces_by_last_chunk(order))
+
+    def _before_piece(self, off: OptimizerStateOffloader, k: int) -> None:
+        order = self._step_order[id(off)]
+        if k >= len(order):
+            return
+        self._admit([(off, c) for c in order[k:]], self._step_budget_now, force_first=True)
+        off.make_resident(will_modify=True, chunks=[order[k]])
+
+    def _after_piece(self, off: OptimizerStateOffloader, k: int) -> None:
+        order = self._step_order[id(off)]
+        if k >= len(order):
+            return
+        # Copy the stepped chunk out now only if a chunk still to be stepped (this optimizer's
+        # or a later one's in the chain) needs its room; otherwise it stays resident and leaves
+        # with the next forward like an unchunked step's state: a D2H enqueued now would also
+        # hold up the loss read that follows the step (optimizer_step_done).
+        waiting = [(o, c) for o in self.offloaders if id(o) not in self._stepped or o is off
+                   for c in (order[k + 1:] if o is off else o.chunks) if c.state is ChunkState.OFFLOADED]
+        if not waiting:
+            return
+        off.start_copy_out([order[k]])
+        self._stepped_out.append((off, order[k]))
+        self._admit([(off, c) for c in order[k + 1:]], self._step_budget_now)
 
     # ------------------------------------------------------------------------------------------
     # Automatic fraction (auto_fraction.py)
@@ -472,7 +598,7 @@ class OffloadCoordinator:
         before their copy-out (due at the next forward) is enqueued."""
         recorder, self._recorder = self._recorder, None
         self.streams.stats.stall_sink = None
-        if any(c.state is not ChunkState.RESIDENT for off in self.offloaders for c in off.chunks):
+        if self._skipped_last_step:
             # A skipped step: the state was sent back out unchanged. Measure the next iteration.
             self.auto_fraction_at = self._iterations_done + 1
             return
@@ -490,6 +616,7 @@ class OffloadCoordinator:
         for off in self.offloaders:
             off.fraction = choice.fraction
             if off.chunks:
+                off.make_resident(will_modify=True)  # (the chunked step sent some out already)
                 off.refresh()
         self._announce()
 
@@ -564,6 +691,13 @@ class OffloadCoordinator:
         self._hook_handles.clear()
         for off in self.offloaders:
             off.close()
+
+
+class _Undo:
+    """A removable handle for something that is undone by a function."""
+
+    def __init__(self, undo: Callable[[], None]):
+        self.remove = undo
 
 
 def _by_offloader(pairs):

@@ -115,6 +115,22 @@ def add_arguments(parser):
         "megatron_offload.planner` computes the same from a profile. (megatron-offload)",
     )
     group.add_argument(
+        "--offload-chunked-step",
+        action="store_true",
+        help="Run the optimizer step piece by piece (one chunk of state at a time: reload, "
+        "Adam, copy out, overlapped), so that the step never needs the whole state on the GPU. "
+        "For runs whose memory peak is the optimizer step (full recompute, late pipeline "
+        "stages, small activations). (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-step-budget-mb",
+        type=int,
+        default=0,
+        help="With --offload-chunked-step: at most this many MiB of optimizer state on the GPU "
+        "during the step (at least one chunk). 0: what the activations of the forward left "
+        "room for, at least three chunks. (megatron-offload)",
+    )
+    group.add_argument(
         "--offload-copy-piece-mb",
         type=int,
         default=0,
@@ -143,6 +159,12 @@ def validate_args(args) -> None:
             raise validation.OffloadArgumentError("--offload-chunk-size-mb must be positive")
         if args.offload_memory_margin_mb < 0:
             raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
+        if args.offload_step_budget_mb < 0:
+            raise validation.OffloadArgumentError("--offload-step-budget-mb must be >= 0 (0: automatic)")
+        if args.offload_step_budget_mb and not args.offload_chunked_step:
+            raise validation.OffloadArgumentError(
+                "--offload-step-budget-mb bounds the state resident during a chunked step: add "
+                "--offload-chunked-step or drop it")
         if args.offload_copy_piece_mb < 0:
             raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
         if args.offload_state_fraction != AUTO and not 0.0 < args.offload_state_fraction <= 1.0:
@@ -262,6 +284,8 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
         state_fraction=1.0 if auto else args.offload_state_fraction,
         auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
+        chunked_step=args.offload_chunked_step,
+        step_budget_bytes=args.offload_step_budget_mb * 2**20,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
@@ -411,6 +435,27 @@ def _wrap_training_log(original):
     return wrapper
 
 
+def _wrap_calc_params_l2_norm(original):
+    """--log-params-norm reads every fp32 master after the step. The unchunked step leaves them
+    all resident until the next forward; the chunked step has sent some out already, and the
+    norm is one multi-tensor reduction over all of them: bring them back for it as a checkpoint
+    reader would (host copies stay current, so they leave again without a D2H)."""
+
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        if not _enabled() or not coordinator.chunked_step:
+            return original(*a, **k)
+        for off in coordinator.offloaders:
+            coordinator.before_state_access(off, will_modify=False)
+        try:
+            return original(*a, **k)
+        finally:
+            for off in coordinator.offloaders:
+                coordinator.after_state_access(off, modified=False)
+
+    return wrapper
+
+
 def _wrap_compile_helpers(original):
     @functools.wraps(original)
     def wrapper(*a, **k):
@@ -514,6 +559,7 @@ def install() -> None:
     _patch(training, "setup_model_and_optimizer", _wrap_setup_model_and_optimizer)
     _patch(training, "finalize_model_grads", _wrap_finalize)
     _patch(training, "training_log", _wrap_training_log)
+    _patch(training, "calc_params_l2_norm", _wrap_calc_params_l2_norm)
     _patch(schedules, "forward_step", _wrap_forward_step)
     _patch(schedules, "backward_step", _wrap_backward_step)
     _patch(dataset_utils, "compile_helpers", _wrap_compile_helpers)

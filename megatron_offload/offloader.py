@@ -58,22 +58,47 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _first_fit(tensors: List[StateTensor], target: int) -> list:
-    """Chunk layouts [tensors, offsets, packed bytes] with each tensor in the first chunk that has
-    room for it. Filling chunks strictly in order would close a chunk half-empty before every large
-    tensor (an embedding's master and moments), and every chunk is padded to the largest: measured
-    on the PP2 matrix cases, 0.26 GiB of state took 0.73 GiB of GPU buffers, and the step, which
-    has them all back, became the run's peak. Chunks then hold tensors out of parameter order;
-    nothing depends on that order (the fraction split is made before packing)."""
-    layouts = []
+def _units(tensors: List[StateTensor], by_parameter: bool) -> List[List[StateTensor]]:
+    """The packing units: one per tensor, or with `by_parameter` the state tensors of one
+    parameter together (discovery lists them per parameter). The chunked step (chunked_step.py)
+    steps a parameter once all of its state is resident, so a parameter whose master and moments
+    lay in chunks far apart would hold both chunks on the GPU for the whole span between them.
+    Without it, whole tensors pack with less padding (a large parameter's three tensors need not
+    share one slot)."""
+    if not by_parameter:
+        return [[st] for st in tensors]
+    units: List[List[StateTensor]] = []
     for st in tensors:
-        layout = next((lay for lay in layouts if lay[2] + st.nbytes <= target), None)
+        if units and st.param is not None and units[-1][0].param is st.param:
+            units[-1].append(st)
+        else:
+            units.append([st])
+    return units
+
+
+def _unit_bytes(unit: List[StateTensor]) -> int:
+    return sum(align_up(st.nbytes, TENSOR_ALIGNMENT) for st in unit)
+
+
+def _first_fit(units: List[List[StateTensor]], target: int) -> list:
+    """Chunk layouts [tensors, offsets, packed bytes] with each unit (one parameter's tensors) in
+    the first chunk that has room for it. Filling chunks strictly in order would close a chunk
+    half-empty before every large unit (an embedding's master and moments), and every chunk is
+    padded to the largest: measured on the PP2 matrix cases, 0.26 GiB of state took 0.73 GiB of
+    GPU buffers, and the step, which has them all back, became the run's peak. Chunks then hold
+    parameters out of order; nothing depends on that order (the fraction split is made before
+    packing, the chunked step steps chunk by chunk)."""
+    layouts = []
+    for unit in units:
+        size = _unit_bytes(unit)
+        layout = next((lay for lay in layouts if lay[2] + size <= target), None)
         if layout is None:
             layout = [[], [], 0]
             layouts.append(layout)
-        layout[0].append(st)
-        layout[1].append(layout[2])
-        layout[2] = align_up(layout[2] + st.nbytes, TENSOR_ALIGNMENT)
+        for st in unit:
+            layout[0].append(st)
+            layout[1].append(layout[2])
+            layout[2] = align_up(layout[2] + st.nbytes, TENSOR_ALIGNMENT)
     return layouts
 
 
@@ -96,6 +121,9 @@ class Chunk:
         self.buffer: Optional[torch.Tensor] = None  # uint8, `gpu_nbytes` on the device
         self.host: Optional[torch.Tensor] = None  # uint8 view of the pinned host buffer, `nbytes`
         self.state = ChunkState.RESIDENT
+        # True while the host copy equals the GPU state: set when a D2H is enqueued, cleared when
+        # anything may write the GPU state (the inner step, a checkpoint load).
+        self.host_valid = False
         # The copy that must finish before the GPU storage may be freed (COPYING_OUT) or read
         # (COPYING_IN). None when no copy is in flight.
         self.ready: Optional[torch.cuda.Event] = None
@@ -129,6 +157,7 @@ class OptimizerStateOffloader:
         chunk_bytes: granularity of freeing and reloading.
         name: for logs.
         copy_piece_bytes: split each chunk's copy into pieces of this size (0: one copy per chunk).
+        by_parameter: pack all state tensors of a parameter into one chunk (the chunked step).
         fraction: share of the state bytes to offload (0 < fraction <= 1). The rest stays on the
             GPU untouched (not packed, never copied): whole tensors, the last ones in parameter
             order. Every byte costs the same to move and frees the same, so which ones stay is
@@ -143,10 +172,12 @@ class OptimizerStateOffloader:
         name: str = "optimizer",
         copy_piece_bytes: int = 0,
         fraction: float = 1.0,
+        by_parameter: bool = False,
     ):
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         self.fraction = float(fraction)
+        self.by_parameter = by_parameter  # pack each parameter's state into one chunk (`_units`)
         self.kept: List[StateTensor] = []  # state tensors left resident by `fraction`
         self.dist_opt = dist_opt
         self.streams = streams
@@ -156,9 +187,6 @@ class OptimizerStateOffloader:
         self.chunks: List[Chunk] = []
         self.host: Optional[PinnedHostBuffer] = None
         self.discovery = Discovery([], [])
-        # True while the host copy equals the GPU state (set when a D2H is enqueued; cleared when
-        # anything may write the GPU state: the inner step, a checkpoint load).
-        self.host_valid = False
         self.stats = streams.stats
         self._signature = None
 
@@ -196,11 +224,12 @@ class OptimizerStateOffloader:
             # replaced): a view into an old chunk buffer would keep all of that buffer alive.
             if st.tensor.untyped_storage().nbytes() > st.nbytes:
                 st.tensor.data = st.tensor.detach().clone()
-        # A tensor larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
+        # A parameter's state larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
         # below) that every chunk is padded to.
-        total = sum(st.nbytes for st in managed)
+        units = _units(managed, self.by_parameter)
+        total = sum(_unit_bytes(unit) for unit in units)
         chunk_bytes = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-total // MIN_CHUNKS)))
-        largest = max([align_up(st.nbytes, TENSOR_ALIGNMENT) for st in managed], default=0)
+        largest = max([_unit_bytes(unit) for unit in units], default=0)
         target = max(chunk_bytes, largest)
         # Balanced: as many chunks as `target` needs, each about total / count, so that the last
         # one is not a small remainder padded up to the slot size (below). Up to 10 % of slack
@@ -208,7 +237,7 @@ class OptimizerStateOffloader:
         count = max(1, -(-total // target))
         per_chunk = -(-total // count)
         for size in [per_chunk * (100 + slack) // 100 for slack in range(11)] + [target]:
-            layouts = _first_fit(managed, max(largest, size))
+            layouts = _first_fit(units, max(largest, size))
             if len(layouts) <= count:
                 break
         chunks = [Chunk(i, tensors, offsets, nbytes) for i, (tensors, offsets, nbytes) in enumerate(layouts)]
@@ -245,7 +274,6 @@ class OptimizerStateOffloader:
             chunk.host = self.host.view(base, chunk.packed)
             base += chunk.nbytes
         self.chunks = chunks
-        self.host_valid = False
         self._signature = self.state_signature()
         if self.discovery.resident_other:
             logger.warning(
@@ -255,16 +283,20 @@ class OptimizerStateOffloader:
             )
 
     def _split_by_fraction(self, tensors: List[StateTensor]):
-        """(offloaded, kept): a parameter-order prefix of at most `fraction` of the bytes."""
+        """(offloaded, kept): a parameter-order prefix of the state tensors (of whole parameters
+        with `by_parameter`) holding at most `fraction` of the bytes."""
         if self.fraction >= 1.0:
             return list(tensors), []
         budget = self.fraction * sum(st.nbytes for st in tensors)
-        taken = 0
-        for i, st in enumerate(tensors):
-            if taken + st.nbytes > budget:
-                return list(tensors[:i]), list(tensors[i:])
-            taken += st.nbytes
-        return list(tensors), []
+        taken, offloaded = 0, []
+        units = _units(tensors, self.by_parameter)
+        for i, unit in enumerate(units):
+            size = sum(st.nbytes for st in unit)
+            if taken + size > budget:
+                return offloaded, [st for rest in units[i:] for st in rest]
+            taken += size
+            offloaded.extend(unit)
+        return offloaded, []
 
     @property
     def kept_bytes(self) -> int:
@@ -335,21 +367,29 @@ class OptimizerStateOffloader:
     # ----------------------------------------------------------------------------------------
     # Transitions
     # ----------------------------------------------------------------------------------------
-    def start_copy_out(self) -> None:
-        """RESIDENT -> COPYING_OUT for every chunk: enqueue the D2H unless the host copy is current.
+    @property
+    def host_valid(self) -> bool:
+        """The host copy of every chunk is current."""
+        return all(c.host_valid for c in self.chunks)
 
-        Called on the host right after the inner optimizer step was enqueued (or after a skipped
-        step / a checkpoint API). Does not free anything.
+    def start_copy_out(self, chunks: Optional[List[Chunk]] = None) -> None:
+        """RESIDENT -> COPYING_OUT for `chunks` (default: every RESIDENT chunk): enqueue the D2H of
+        those whose host copy is stale. Does not free anything.
+
+        Called on the host after the inner optimizer step was enqueued (the whole step: at the
+        next forward; the chunked step: after each piece), or after a skipped step / checkpoint API.
         """
+        if chunks is None:
+            chunks = self.chunks_in(ChunkState.RESIDENT)
+        assert all(c.state is ChunkState.RESIDENT for c in chunks), chunks
         # In the order the coordinator frees them (highest address first), so that the first
         # free waits for the first copy, not for the last.
-        resident = sorted(self.chunks_in(ChunkState.RESIDENT), key=lambda c: -c.address)
-        if not resident:
-            return
-        if self.host_valid:
-            for chunk in resident:
+        stale = sorted((c for c in chunks if not c.host_valid), key=lambda c: -c.address)
+        for chunk in chunks:
+            if chunk.host_valid:
                 chunk.state = ChunkState.COPYING_OUT
                 chunk.ready = None
+        if not stale:
             return
         s = self.streams
         with s.on_d2h() as stream:
@@ -357,12 +397,12 @@ class OptimizerStateOffloader:
             # it (the Adam step enqueued just before this call).
             s.d2h_wait_for_compute()
             timer = s.stats.start_copy(stream, "d2h")
-            for chunk in resident:
+            for chunk in stale:
                 self._copy_pieces(chunk.host, chunk.packed)
                 chunk.ready = s.record(stream)
                 chunk.state = ChunkState.COPYING_OUT
-            s.stats.end_copy(timer, stream, sum(c.nbytes for c in resident))
-        self.host_valid = True
+                chunk.host_valid = True
+            s.stats.end_copy(timer, stream, sum(c.nbytes for c in stale))
 
     def _copy_pieces(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One asynchronous copy per `copy_piece_bytes` (one per chunk by default). Smaller pieces
@@ -421,18 +461,20 @@ class OptimizerStateOffloader:
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in chunks))
         return sum(c.gpu_nbytes for c in chunks)
 
-    def make_resident(self, will_modify: bool) -> None:
-        """Every chunk -> RESIDENT (or COPYING_OUT, see below), with the compute stream ordered
-        after any copy in flight. Host never blocks.
+    def make_resident(self, will_modify: bool, chunks: Optional[List[Chunk]] = None) -> None:
+        """`chunks` (default: all) -> RESIDENT (or COPYING_OUT, see below), with the compute
+        stream ordered after any copy of theirs in flight. Host never blocks.
 
         will_modify: the caller is about to write the state (the inner step, a checkpoint load).
-            Then every chunk ends RESIDENT and the host copy is marked stale. Otherwise (a reader
+            Then every chunk ends RESIDENT and its host copy is marked stale. Otherwise (a reader
             such as a checkpoint save) chunks whose host copy is current end COPYING_OUT, so that
             they can be freed again without another D2H.
         """
-        self.start_copy_in(self.chunks_in(ChunkState.OFFLOADED))
+        if chunks is None:
+            chunks = self.chunks
+        self.start_copy_in([c for c in chunks if c.state is ChunkState.OFFLOADED])
         s = self.streams
-        pending = [c for c in self.chunks if c.ready is not None]
+        pending = [c for c in chunks if c.ready is not None]
         if pending:
             # Why: COPYING_IN chunks are read by what follows (the Adam kernel, a checkpoint
             # writer); COPYING_OUT chunks are about to be *written* by the Adam step or a load
@@ -442,14 +484,29 @@ class OptimizerStateOffloader:
             with s.stats.exposed_wait(s.compute, label):
                 for chunk in pending:
                     s.compute_wait(chunk.ready)
-        for chunk in self.chunks:
+        for chunk in chunks:
             chunk.ready = None
-            if will_modify or not self.host_valid:
-                chunk.state = ChunkState.RESIDENT
-            else:
+            if will_modify:
+                chunk.host_valid = False
+            chunk.state = ChunkState.COPYING_OUT if chunk.host_valid else ChunkState.RESIDENT
+
+    def settle_unmodified(self) -> None:
+        """After a step that did not run (inf/nan, grad-norm skip): the state is unchanged, so
+        the host copy of every chunk that came back is still current. Chunks in flight back
+        become COPYING_OUT (freed again without a D2H) once the compute stream is ordered after
+        their copy; OFFLOADED chunks stay where they are."""
+        incoming = self.chunks_in(ChunkState.COPYING_IN)
+        if incoming:
+            s = self.streams
+            # Why: freeing them later hands their memory to compute-stream allocations, which
+            # must run after the H2D that is still writing it.
+            with s.stats.exposed_wait(s.compute, "h2d"):
+                for chunk in incoming:
+                    s.compute_wait(chunk.ready)
+            for chunk in incoming:
+                chunk.ready = None
                 chunk.state = ChunkState.COPYING_OUT
-        if will_modify:
-            self.host_valid = False
+        self.start_copy_out()
 
     def close(self) -> None:
         """Bring everything back and release the pinned buffer (end of training, detaching)."""

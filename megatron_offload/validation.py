@@ -94,6 +94,15 @@ def problems(args) -> List[str]:
                 "tensor subclasses with separate scales that a byte copy would not move exactly. "
                 f"Use {flag} fp32, bf16 or fp16, or drop {FLAG}."
             )
+    if _get(args, "offload_chunked_step", False):
+        for flag, name in (("--fp8-param-gather", "fp8_param_gather"), ("--fp4-param-gather", "fp4_param_gather")):
+            if _get(args, name, False):
+                out.append(
+                    f"--offload-chunked-step cannot be combined with {flag}: copying the updated "
+                    "masters into the quantized parameters is one operation over all of them, so "
+                    "they cannot be stepped piece by piece. Drop --offload-chunked-step (the "
+                    "unchunked step brings the whole state back for the step) or the flag."
+                )
     if _get(args, "async_save", False):
         out.append(
             f"{FLAG} does not support --async-save yet: the background writer may still read "

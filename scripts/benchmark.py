@@ -6,6 +6,7 @@ Presets:
   r1     the brief's reference run R1: GPT 24 layers, hidden 2048, 16 heads, seq 2048, vocab 32000
          (~1.2 B params), micro-batch 2, global batch 16, bf16, DistributedOptimizer, DP = nproc.
   small  4 layers, hidden 1024 (a quick smoke run).
+  r2     R1 with full activation recompute (the optimizer step is the memory peak).
   r3     R1's model with PP=2, DP=2 (--nproc 4), 8 microbatches per iteration.
 
 Each variant runs `--iters` iterations; the table reports, per variant, the median step time over
@@ -28,11 +29,13 @@ from megatron_runs import launch, model_args, run_peak  # noqa: E402
 
 PRESETS = {
     "r1": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=16),
+    "r2": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=16),
     "small": dict(layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16),
     # R3: R1's model with PP=2, DP=2 on 4 GPUs, 8 microbatches per iteration (2 x 8 x 2 = 32).
     "r3": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=32),
 }
-PRESET_ARGS = {"r3": ["--pipeline-model-parallel-size", "2"]}
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+PRESET_ARGS = {"r2": RECOMPUTE, "r3": ["--pipeline-model-parallel-size", "2"]}
 # Environment modifiers, appended to a variant name with '@' (e.g. offload@conn8@expseg).
 MODIFIERS = {
     "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
@@ -51,10 +54,10 @@ VARIANTS = {
     "offload-frac47": ["--offload-optimizer-states", "--offload-state-fraction", "0.47"],
     # Measures iteration 3 of its own run, then offloads what moves for free (auto_fraction.py).
     "offload-auto": ["--offload-optimizer-states", "--offload-state-fraction", "auto"],
-    "recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                  "--recompute-num-layers", "1"],
-    "recompute+offload": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                          "--recompute-num-layers", "1", "--offload-optimizer-states"],
+    # The step piece by piece, its resident state bounded (issue 4); budget automatic.
+    "offload-chunked": ["--offload-optimizer-states", "--offload-chunked-step"],
+    "recompute": RECOMPUTE,
+    "recompute+offload": RECOMPUTE + ["--offload-optimizer-states"],
     # The alternatives users pick today (issue 3):
     # HybridDeviceOptimizer: Adam on the CPU for all params, its copies overlapped.
     "cpu-offload": ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--optimizer-offload-fraction",
@@ -70,10 +73,12 @@ def variant_args(variant):
     """Arguments of a variant: one of VARIANTS, or offload-chunk<MiB> / offload-frac<percent>."""
     if variant in VARIANTS:
         return VARIANTS[variant]
-    m = re.fullmatch(r"offload-(chunk|frac)(\d+)", variant)
+    m = re.fullmatch(r"offload-(chunk|frac|stepbudget)(\d+)", variant)
     if not m:
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}, offload-chunk<MiB>, "
-                         "offload-frac<percent>")
+                         "offload-frac<percent>, offload-stepbudget<MiB>")
+    if m.group(1) == "stepbudget":
+        return ["--offload-optimizer-states", "--offload-chunked-step", "--offload-step-budget-mb", m.group(2)]
     if m.group(1) == "chunk":
         return ["--offload-optimizer-states", "--offload-chunk-size-mb", m.group(2)]
     return ["--offload-optimizer-states", "--offload-state-fraction", str(int(m.group(2)) / 100)]
@@ -103,6 +108,7 @@ def summarize(run, warmup):
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
+        "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
         "startup_and_run_s": run["seconds"],
     }
 

@@ -414,6 +414,7 @@ class Recorder:
                     "offloaded_bytes": coord.state_bytes,
                     "kept_bytes": sum(off.kept_bytes for off in coord.offloaders),
                     "auto_fraction": dataclasses.asdict(coord.auto_choice) if coord.auto_choice else None,
+                    "step_budget_bytes": coord.step_budgets[-1] if coord.step_budgets else None,
                     "pinned_bytes": coord.pinned_bytes,
                     "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,
                     "cumulative_h2d_bytes": coord.streams.stats.cumulative_h2d_bytes,

@@ -64,7 +64,15 @@ CASES = {
     "dp4-clip": (4, ["--clip-grad", "0.3"], {}, ("resume_offload", "resume_plain", "plain_to_offload")),
     "async-save": (2, [], {}, ()),
 }
+# The chunked optimizer step (--offload-chunked-step) on the layouts where the step is the
+# small model's memory peak (PP stages) and on a chain of two DistributedOptimizers.
+for _name in ("pp2", "pp2-vpp", "ep2-moe"):
+    CASES[f"{_name}-chunked"] = CASES[_name]
 OFFLOAD = ["--offload-optimizer-states"]
+
+
+def offload_args(case):
+    return OFFLOAD + (["--offload-chunked-step"] if case.endswith("-chunked") else [])
 # Checkpoint runs resuming the case's own runs: which run's checkpoint, and with offloading?
 RESUMES = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
            "plain_to_offload": ("baseline", True)}
@@ -131,7 +139,7 @@ def run_case(name, iters, out, slots):
     for kind in ("baseline", "offload"):
         shutil.rmtree(ck(kind), ignore_errors=True)
     plain, offload = together(start(f"{name}-baseline", base + save("baseline")),
-                              start(f"{name}-offload", base + save("offload") + OFFLOAD))
+                              start(f"{name}-offload", base + save("offload") + offload_args(name)))
     checks = []
 
     def check(what, ok, detail=""):
@@ -158,7 +166,8 @@ def run_case(name, iters, out, slots):
         check(f"rank {r} peak reserved lower", ro < rb, f"{rb / 2**30:.2f} -> {ro / 2**30:.2f} GiB")
 
     def resumed(kind, source, with_offload, extra_args=()):
-        args = base + ["--load", ck(source), "--ckpt-step", str(half), *extra_args] + (OFFLOAD if with_offload else [])
+        args = base + ["--load", ck(source), "--ckpt-step", str(half), *extra_args] + (
+            offload_args(name) if with_offload else [])
         return start(f"{name}-{kind}", args)
 
     # Every run that loads a checkpoint, started together.

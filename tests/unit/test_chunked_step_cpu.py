@@ -164,3 +164,158 @@ def test_installed_piecewise_step_copies_each_piece_and_skips_the_whole_copy_onc
     opt.step_with_ready_grads()
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
     assert opt.copies == 11
+
+
+# ------------------------------------------------------------------------------------------------
+# The coordinator's chunked step (--offload-chunked-step)
+# ------------------------------------------------------------------------------------------------
+MANY = (300, 1000, 64, 1024, 512, 900, 700, 1000, 256, 1024, 800, 600)
+
+
+class MegatronShapedPrecisionAware(FakePrecisionAwareDistOpt):
+    """The precision-aware layout with megatron-core's step structure; megatron-core's
+    `_copy_main_params_to_model_params` returns at once there (TE's step writes the params)."""
+
+    copies = 0
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.model_float16_groups = [list(self.shard_float16_groups[0])]
+        self.model_fp32_groups = [[]]
+
+    def _copy_main_params_to_model_params(self):
+        self.copies += 1
+
+    def step_with_ready_grads(self):
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        return True
+
+    step = step_with_ready_grads
+
+
+class MegatronShapedMany(MegatronShapedDistOpt):
+    step = MegatronShapedDistOpt.step_with_ready_grads
+
+    def __init__(self):
+        super().__init__(bf16_numels=MANY)
+
+
+CHUNKED_FACTORIES = {
+    "torch-adamw": MegatronShapedMany,
+    "te-fusedadam-lazy-moments": lambda: MegatronShapedPrecisionAware(numels=MANY),
+    "te-fusedadam-int16-remainders": lambda: MegatronShapedPrecisionAware(
+        numels=MANY, store_param_remainders=True, moment_dtype=torch.bfloat16),
+}
+
+
+def resident_snapshot(opt, coord):
+    """snapshot() with the state brought back as a checkpoint reader would (the chunked step
+    leaves part of it off the GPU)."""
+    for off in coord.offloaders:
+        coord.before_state_access(off, will_modify=False)
+    try:
+        return snapshot(opt)
+    finally:
+        for off in coord.offloaders:
+            coord.after_state_access(off, modified=False)
+
+
+def chunked_iteration(opt, coord, step, skip=False, watch=None):
+    for _ in range(2):
+        coord.forward_begin(True)
+        coord._on_layer_forward(None, ())
+        coord.forward_end()
+        if watch is not None:
+            watch("forward_end")
+        coord.backward_begin()
+        coord._on_layer_backward(None)
+    coord.grads_finalizing()
+    make_grads(opt.all_params(), step)
+    if not skip:
+        opt.step()
+    coord.optimizer_step_done()
+
+
+@pytest.mark.parametrize("name", list(CHUNKED_FACTORIES))
+def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name):
+    from test_offloader_cpu import make_coord
+
+    ref, opt = CHUNKED_FACTORIES[name](), CHUNKED_FACTORIES[name]()
+    coord = make_coord(chunk_bytes=2048, chunked_step=True)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    resident_in_step, freed_after_forward = [], []
+    for hook in ("_before_piece", "_after_piece"):
+        original = getattr(coord, hook)
+
+        def watched(o, k, original=original):
+            original(o, k)
+            resident_in_step.append((coord._step_resident(), coord._step_budget_now))
+        setattr(coord, hook, watched)
+
+    def watch(when):
+        freed_after_forward.append(coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes)
+
+    skips = {2, 5}
+    for step in range(7):
+        make_grads(ref.all_params(), step)
+        if step not in skips:
+            ref.step()
+        chunked_iteration(opt, coord, step, skip=step in skips, watch=watch)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    # Each parameter's state lies in one chunk: piece k is exactly chunk k's parameters.
+    homes = {}
+    for chunk in off.chunks:
+        for st in chunk.tensors:
+            assert homes.setdefault(id(st.param), chunk.index) == chunk.index, st.name
+    slot = off.chunks[0].gpu_nbytes
+    assert len(off.chunks) >= 6, off.chunks
+    # No device-memory readings on CPU: the budget is the pipeline's minimum of three chunks (of
+    # the chunks at that step: TE's moments appear in the first one, and the slot grows).
+    assert resident_in_step[-1][1] == 3 * slot
+    assert all(resident <= budget for resident, budget in resident_in_step), resident_in_step
+    assert max(r for r, _ in resident_in_step) < coord.gpu_bytes
+    assert freed_after_forward[2:] and all(freed_after_forward[2:])
+    if name.startswith("te-"):
+        # One group step per optimizer step (the stand-in's group counter), none for skips.
+        assert opt.optimizer.param_groups[0]["step"] == 7 - len(skips)
+    else:
+        assert all(float(opt.optimizer.state[p]["step"]) == 7 - len(skips) for p in opt.all_params())
+    assert opt.copies == (7 - len(skips)) * len(off.chunks) if name == "torch-adamw" else True
+    coord.close()
+
+
+def test_chunked_step_copies_out_during_the_step_only_what_later_pieces_need():
+    """Chunks stepped once nothing else waits stay resident (their copy-out waits for the next
+    forward, as the unchunked step's does); earlier ones are copied out in the step."""
+    from test_offloader_cpu import make_coord
+
+    opt = MegatronShapedMany()
+    coord = make_coord(chunk_bytes=2048, chunked_step=True)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        chunked_iteration(opt, coord, step)
+    states = [c.state for c in off.chunks]
+    assert states.count(ChunkState.RESIDENT) >= 1
+    assert states.count(ChunkState.OFFLOADED) + states.count(ChunkState.COPYING_OUT) >= len(states) - 3
+    assert coord.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_OUT) <= 3 * off.chunks[0].gpu_nbytes
+    coord.close()
+
+
+def test_an_explicit_step_budget_is_used_but_never_below_one_chunk():
+    from test_offloader_cpu import make_coord
+
+    opt = MegatronShapedMany()
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, step_budget_bytes=1)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    ref = MegatronShapedMany()
+    for step in range(3):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        chunked_iteration(opt, coord, step)
+    assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    assert coord.step_budgets == [off.chunks[0].gpu_nbytes] * 3
+    coord.close()

@@ -42,7 +42,7 @@ def test_install_is_idempotent_and_wraps_by_module_attribute():
     assert arguments.add_megatron_arguments is before
     for fn in (arguments.add_megatron_arguments, arguments.validate_args,
                training.setup_model_and_optimizer, training.finalize_model_grads,
-               schedules.forward_step, schedules.backward_step):
+               training.calc_params_l2_norm, schedules.forward_step, schedules.backward_step):
         assert getattr(fn, "_megatron_offload", False), fn
 
 
@@ -208,3 +208,41 @@ def test_state_fraction_auto_is_accepted_and_anything_else_not_a_number_refused(
     assert a.offload_state_fraction == "auto"
     with pytest.raises(SystemExit):
         parse(["--offload-state-fraction", "most"])
+
+
+def test_chunked_step_flags():
+    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-chunked-step",
+               "--offload-step-budget-mb", "1536"])
+    megatron_wiring.validate_args(a)
+    assert a.offload_chunked_step and a.offload_step_budget_mb == 1536
+    assert not parse([]).offload_chunked_step and parse([]).offload_step_budget_mb == 0
+    alone = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-step-budget-mb", "512"])
+    with pytest.raises(OffloadArgumentError, match="--offload-chunked-step"):
+        megatron_wiring.validate_args(alone)
+    negative = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-chunked-step",
+                      "--offload-step-budget-mb", "-1"])
+    with pytest.raises(OffloadArgumentError, match="--offload-step-budget-mb"):
+        megatron_wiring.validate_args(negative)
+
+
+def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatch):
+    seen = []
+
+    class Coord:
+        chunked_step = True
+        offloaders = ["a", "b"]
+
+        def before_state_access(self, off, will_modify):
+            seen.append(("before", off, will_modify))
+
+        def after_state_access(self, off, modified):
+            seen.append(("after", off, modified))
+
+    norm = megatron_wiring._wrap_calc_params_l2_norm(lambda model: seen.append("norm") or 1.5)
+    monkeypatch.setattr(megatron_wiring, "coordinator", Coord())
+    assert norm(None) == 1.5
+    assert seen == [("before", "a", False), ("before", "b", False), "norm", ("after", "a", False),
+                    ("after", "b", False)]
+    seen.clear()
+    Coord.chunked_step = False
+    assert norm(None) == 1.5 and seen == ["norm"]

@@ -91,3 +91,12 @@ def test_log_params_norm_is_supported():
 def test_all_problems_are_reported_together():
     found = problems(args(optimizer_cpu_offload=True, qk_clip=True, async_save=True))
     assert len(found) == 3
+
+
+@pytest.mark.parametrize("flag,name", [("--fp8-param-gather", "fp8_param_gather"),
+                                       ("--fp4-param-gather", "fp4_param_gather")])
+def test_chunked_step_refuses_quantized_param_gather(flag, name):
+    found = problems(args(offload_chunked_step=True, **{name: True}))
+    assert len(found) == 1 and flag in found[0] and "--offload-chunked-step" in found[0]
+    assert problems(args(offload_chunked_step=False, **{name: True})) == []
+    assert problems(args(offload_chunked_step=True)) == []
