@@ -17,6 +17,13 @@ state size and the PCIe bandwidth per direction. The model, for X bytes to take 
   resident: the step's own temporaries therefore bound X, see `max_unchunked_bytes`);
 * both directions at once share `both_gbps`.
 
+With a chunked step (`predict(..., step_budget=B)`, `--offload-chunked-step`) the step holds at
+most B bytes of state (plus one piece's temporaries) instead of all of it: the reload before the
+step stops at B; the rest streams in during the step while the stepped pieces stream out, both
+directions at once, so the step lasts at least its compute time and at least the time to bring
+the rest in at that shared rate; the last B bytes stepped stay resident and their copy-out opens
+the next iteration (the others left during the step).
+
 The predicted iteration time is the simulated length of that timeline: the least time any
 schedule can achieve under these rules (a real schedule adds its own overheads on top).
 """
@@ -70,24 +77,40 @@ class Prediction:
     baseline_ms: float
     stall_out_ms: float  # compute waiting for memory during the forwards
     stall_in_ms: float  # step waiting for the reload
-    feasible: bool  # False: X exceeds what an unchunked step allows
+    feasible: bool  # False: X exceeds what an unchunked step allows (or the chunked budget fits)
 
     @property
     def ratio(self) -> float:
         return self.iteration_ms / self.baseline_ms
 
 
-def predict(profile: Profile, offloaded_bytes: float, dt_ms: float = 0.05) -> Prediction:
-    """Simulate one iteration with `offloaded_bytes` taken off the peak (see module doc)."""
+def predict(profile: Profile, offloaded_bytes: float, dt_ms: float = 0.05,
+            step_budget: Optional[float] = None, piece_growth: float = 0.0) -> Prediction:
+    """Simulate one iteration with `offloaded_bytes` taken off the peak (see module doc).
+    `step_budget`: the chunked step's bound on resident state (None: unchunked step);
+    `piece_growth`: one piece's Adam temporaries (chunked step only)."""
     x = float(offloaded_bytes)
     limit = profile.peak_growth - x  # allowed growth + (state resident - state base) above base
     mb_ms = 1e9 / 1e3  # bytes per millisecond per GB/s
     last_forward = max((i for i, s in enumerate(profile.segments) if s.kind == "forward"), default=-1)
-    copied = freed = reloaded = 0.0
+    chunked = step_budget is not None
+    held = min(x, step_budget) if chunked else x  # most state bytes back before the step
+    # Chunked: only the bytes stepped last are still on the GPU when the iteration starts.
+    copied = freed = (x - held) if chunked else 0.0
+    reloaded = 0.0
     t = stall_out = stall_in = 0.0
     for index, seg in enumerate(profile.segments):
         done = 0.0  # compute milliseconds of this segment completed
         rate = (seg.growth_end - seg.growth_start) / seg.ms if seg.ms else 0.0
+        if seg.kind == "step" and chunked:
+            # The rest comes in during the step while stepped pieces go out: both at once.
+            shared = min(profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps / 2)
+            stream_ms = (x - reloaded) / (shared * mb_ms)
+            extra = max(0.0, stream_ms - seg.ms)
+            t += seg.ms + extra
+            stall_in += extra
+            reloaded = x
+            continue
         if seg.kind == "step" and reloaded < x:
             # The Adam kernel needs the whole state back before it starts.
             while reloaded < x:
@@ -109,9 +132,9 @@ def predict(profile: Profile, offloaded_bytes: float, dt_ms: float = 0.05) -> Pr
             if copied < x:
                 copied = min(x, copied + out_bw * mb_ms * step)
                 freed = copied
-            if reload_window and reloaded < freed:
+            if reload_window and reloaded < min(freed, held):
                 room = limit - growth_now + freed - reloaded
-                reloaded += min(in_bw * mb_ms * step, freed - reloaded, max(0.0, room))
+                reloaded += min(in_bw * mb_ms * step, min(freed, held) - reloaded, max(0.0, room))
             # State off the GPU now: freed - reloaded. Compute may add growth only below the limit.
             next_growth = seg.growth_start + rate * (done + step)
             blocked = next_growth > growth_now and next_growth > limit + (freed - reloaded) + 1.0
@@ -121,7 +144,12 @@ def predict(profile: Profile, offloaded_bytes: float, dt_ms: float = 0.05) -> Pr
                 continue
             done += step
             t += step
-    feasible = x <= profile.max_unchunked_bytes + 1e-6
+    if chunked:
+        # Growth during the step: state never offloaded (S - x) + held + one piece's temporaries
+        # over a base that holds all S; it must stay under the lowered peak.
+        feasible = held + piece_growth - x <= limit + 1e-6
+    else:
+        feasible = x <= profile.max_unchunked_bytes + 1e-6
     return Prediction(x, t, profile.iteration_ms, stall_out, stall_in, feasible)
 
 

@@ -128,7 +128,11 @@ def compare_with_planner(results, gbps):
             continue
         prof = planner.profile_from_timeline(
             base["timeline"]["marks"], state, base["timeline"]["step_peak_growth"], gbps, gbps, 2 * gbps)
-        pred = planner.predict(prof, min(state, prof.max_unchunked_bytes))
+        budget = (r.get("step_budget_gib") or [0])[0] * planner.GiB
+        if budget:  # the chunked step: the whole state, the step holding at most `budget`
+            pred = planner.predict(prof, state, step_budget=budget)
+        else:
+            pred = planner.predict(prof, min(state, prof.max_unchunked_bytes))
         rows[name] = {"predicted_ms": pred.iteration_ms, "timeline_ms": prof.iteration_ms,
                       "predicted_ratio": pred.ratio, "measured_ratio": r["ratio"],
                       "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB}

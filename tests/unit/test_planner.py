@@ -85,3 +85,27 @@ def test_profile_from_timeline_marks():
     assert prof.segments[1].growth_end == 22 * g and prof.segments[2].growth_end == 0
     assert prof.max_unchunked_bytes == pytest.approx(6.8 * g)
     assert predict(prof, 0).ratio == pytest.approx(1.0)
+
+
+def test_chunked_step_floor_for_r2():
+    """R2: an unchunked step saves nothing; a chunked one holding 1.5 GiB (3 chunks) can take the
+    whole state off, at the cost of streaming what the backward could not reload through the
+    step (both directions at once: 50 GB/s each with both_gbps 100)."""
+    r2 = PRESETS["r2"]
+    s = r2.state_bytes
+    assert not predict(r2, s).feasible
+    p = predict(r2, s, step_budget=1.5 * GiB, piece_growth=0.2 * GiB)
+    assert p.feasible
+    # The backward reloads at most the budget (the ceiling allows 0.9 GiB at forward end anyway);
+    # the rest, >= 5.3 GiB, streams at 50 GB/s: >= ~114 ms against a 26 ms step.
+    lower = (s - 1.5 * GiB) / 50e6 - 26
+    assert lower <= p.stall_in_ms <= (s - 0.0) / 50e6
+    # Nothing to copy out before the forwards but the 1.5 GiB held: no stall there (+0.9 GiB growth).
+    assert p.stall_out_ms == 0
+    # A budget above the peak growth does not fit.
+    assert not predict(r2, s, step_budget=3.0 * GiB, piece_growth=0.2 * GiB).feasible
+    # R1 with room for everything: the chunked step can only hide reload behind its own compute
+    # (the first pieces run while the last ones load), i.e. gain at most the step's 28 ms.
+    r1 = PRESETS["r1"]
+    whole, pieces = predict(r1, r1.state_bytes), predict(r1, r1.state_bytes, step_budget=r1.state_bytes)
+    assert whole.iteration_ms - 28 - 1 <= pieces.iteration_ms <= whole.iteration_ms
