@@ -255,12 +255,18 @@ class OffloadCoordinator:
         if not todo:
             return 0
         allocated = self._allocated() if ceiling is not None else 0
+        # The chunked step holds at most its budget: what comes back now is held until stepped.
+        cap = self._backward_reload_cap()
+        resident = self._step_resident()
         chosen = []
         for off, chunk in todo:
             if ceiling is not None and allocated + chunk.gpu_nbytes > ceiling:
                 break
+            if resident + chunk.gpu_nbytes > cap:
+                break
             chosen.append((off, chunk))
             allocated += chunk.gpu_nbytes
+            resident += chunk.gpu_nbytes
         if ceiling is not None and chosen and self._free_block_sizes is not None:
             chosen = self._fitting(chosen)
         moved = sum(off.start_copy_in(chunks) for off, chunks in _by_offloader(chosen))
@@ -508,7 +514,7 @@ class OffloadCoordinator:
         allocates a few piece-sized lists) and the margin. Never below STEP_WINDOW_CHUNKS chunks,
         which the pipeline needs; when the activations leave more room (R1), the whole state.
         """
-        slot = max((c.gpu_nbytes for _, c in self._chunks(*ChunkState)), default=0)
+        slot = self._slot()
         if self.step_budget_bytes:
             return max(self.step_budget_bytes, slot)
         floor = STEP_WINDOW_CHUNKS * slot
@@ -517,6 +523,19 @@ class OffloadCoordinator:
         resident = self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
         other = self._allocated() - resident
         return max(floor, self._fwd_end_max - other - slot - self.margin_bytes)
+
+    def _backward_reload_cap(self) -> float:
+        """Most chunk bytes the backward may bring back: unbounded for the unchunked step; for
+        the chunked step its budget (the explicit one, else the last step's, else the minimum:
+        the automatic budget reads memory the backward's activations still hold)."""
+        if not self.chunked_step:
+            return float("inf")
+        if self.step_budget_bytes:
+            return self._step_budget()
+        return self.step_budgets[-1] if self.step_budgets else STEP_WINDOW_CHUNKS * self._slot()
+
+    def _slot(self) -> int:
+        return max((c.gpu_nbytes for _, c in self._chunks(*ChunkState)), default=0)
 
     def _step_resident(self) -> int:
         return self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)

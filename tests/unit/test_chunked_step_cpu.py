@@ -221,15 +221,24 @@ def resident_snapshot(opt, coord):
             coord.after_state_access(off, modified=False)
 
 
-def chunked_iteration(opt, coord, step, skip=False, watch=None):
+def chunked_iteration(opt, coord, step, skip=False, watch=None, level=None):
+    """One iteration; `level`: a one-element list the fake allocator reads, set high at the end
+    of each forward (activations) and to 0 in the backward, so that the backward's reload rule
+    would bring everything back."""
     for _ in range(2):
         coord.forward_begin(True)
         coord._on_layer_forward(None, ())
+        if level is not None:
+            level[0] = 10**9
         coord.forward_end()
         if watch is not None:
             watch("forward_end")
         coord.backward_begin()
+        if level is not None:
+            level[0] = 0
         coord._on_layer_backward(None)
+    if level is not None:
+        level[0] = 10**9  # what the step finds: no room beyond the minimum budget
     coord.grads_finalizing()
     make_grads(opt.all_params(), step)
     if not skip:
@@ -242,7 +251,9 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
     from test_offloader_cpu import make_coord
 
     ref, opt = CHUNKED_FACTORIES[name](), CHUNKED_FACTORIES[name]()
-    coord = make_coord(chunk_bytes=2048, chunked_step=True)
+    level = [0]
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, memory_allocated=lambda: level[0],
+                       max_memory_allocated=lambda: level[0], free_block_sizes=lambda: [2**40])
     off = coord.add_optimizer(opt)
     coord.offload_existing_state()
     resident_in_step, freed_after_forward = [], []
@@ -262,7 +273,7 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
         make_grads(ref.all_params(), step)
         if step not in skips:
             ref.step()
-        chunked_iteration(opt, coord, step, skip=step in skips, watch=watch)
+        chunked_iteration(opt, coord, step, skip=step in skips, watch=watch, level=level)
         assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
     # Each parameter's state lies in one chunk: piece k is exactly chunk k's parameters.
     homes = {}
@@ -271,8 +282,10 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
             assert homes.setdefault(id(st.param), chunk.index) == chunk.index, st.name
     slot = off.chunks[0].gpu_nbytes
     assert len(off.chunks) >= 6, off.chunks
-    # No device-memory readings on CPU: the budget is the pipeline's minimum of three chunks (of
-    # the chunks at that step: TE's moments appear in the first one, and the slot grows).
+    # The fake allocator reads 0 at the step: the budget is the pipeline's minimum of three chunks
+    # (of the chunks at that step: TE's moments appear in the first one, and the slot grows),
+    # and the backward, whose reload rule alone would bring everything back, stops there too.
+    assert coord.events.count("reload_start") >= 1
     assert resident_in_step[-1][1] == 3 * slot
     assert all(resident <= budget for resident, budget in resident_in_step), resident_in_step
     assert max(r for r, _ in resident_in_step) < coord.gpu_bytes
