@@ -73,12 +73,13 @@ def variant_args(variant):
     """Arguments of a variant: one of VARIANTS, or offload-chunk<MiB> / offload-frac<percent>."""
     if variant in VARIANTS:
         return VARIANTS[variant]
-    m = re.fullmatch(r"offload-(chunk|frac|stepbudget)(\d+)", variant)
-    if not m:
+    m = re.fullmatch(r"offload-(chunk|frac|stepbudget)(\d+)(?:-chunk(\d+))?", variant)
+    if not m or (m.group(3) and m.group(1) != "stepbudget"):
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}, offload-chunk<MiB>, "
-                         "offload-frac<percent>, offload-stepbudget<MiB>")
+                         "offload-frac<percent>, offload-stepbudget<MiB>[-chunk<MiB>]")
     if m.group(1) == "stepbudget":
-        return ["--offload-optimizer-states", "--offload-chunked-step", "--offload-step-budget-mb", m.group(2)]
+        chunk = ["--offload-chunk-size-mb", m.group(3)] if m.group(3) else []
+        return ["--offload-optimizer-states", "--offload-chunked-step", "--offload-step-budget-mb", m.group(2), *chunk]
     if m.group(1) == "chunk":
         return ["--offload-optimizer-states", "--offload-chunk-size-mb", m.group(2)]
     return ["--offload-optimizer-states", "--offload-state-fraction", str(int(m.group(2)) / 100)]

@@ -592,6 +592,24 @@ def test_memory_budget_frees_late_and_takes_state_off_the_peak():
     assert mem.max <= ref_mem.max - state + margin, (mem.max, ref_mem.max, state)
 
 
+def test_full_recompute_forwards_without_autograd_still_free_at_the_layer_hooks():
+    """--recompute-granularity full runs every checkpointed layer's forward under no_grad: the
+    first forward must still free the state at its first layer (no profile yet), not at its end."""
+    opt = FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    seen = []
+    coord.forward_begin(True)
+    with torch.no_grad():
+        for _ in range(LAYERS):
+            coord._on_layer_forward(None, ())
+            seen.append(coord.bytes_in(ChunkState.OFFLOADED))
+    coord.forward_end()
+    assert seen[0] == coord.gpu_bytes > 0, seen
+    coord.close()
+
+
 def test_reload_starts_in_last_backward_within_budget():
     layer_bytes, logits_bytes = 40_000, 30_000
     opt = FakeDistOpt()
