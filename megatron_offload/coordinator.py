@@ -664,6 +664,21 @@ class OffloadCoordinator:
                 off.materialize_state()
             self.after_state_access(off, modified=True)
 
+    def release_startup_state(self) -> int:
+        """Free, before the first forward, the state `offload_existing_state` sent out, and hand
+        the cached memory back to the device. Once, at start-up: the state sat on the GPU until
+        then (and torch Adam's moments were created there all at once), which left that level
+        in *reserved* memory for the whole run (measured on R2: 14.5 GiB reserved in every
+        iteration with 10.3 GiB allocated at most). Costs one wait for the copy-out."""
+        freed = self._free_until(0)
+        if freed and self.device.type == "cuda":
+            # Why: `free` made the compute stream wait for the copies; returning the memory to
+            # the device must not unmap pages a copy may still be reading.
+            self.streams.compute.synchronize()
+            torch.cuda.empty_cache()
+        self._trace("startup_released")
+        return freed
+
     def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
         self._suspended -= 1
         if modified:

@@ -294,6 +294,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     # Adam's moments are created here rather than lazily in step 1: pack and send out all of it
     # now, while no activation exists, so that even the first forward runs without it.
     coord.offload_existing_state()
+    coord.release_startup_state()
 
     step = optimizer.step
 

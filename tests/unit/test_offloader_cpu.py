@@ -610,6 +610,21 @@ def test_full_recompute_forwards_without_autograd_still_free_at_the_layer_hooks(
     coord.close()
 
 
+def test_startup_state_is_freed_before_the_first_forward_and_training_stays_exact():
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.gpu_bytes > 0
+    assert coord.release_startup_state() == coord.gpu_bytes
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
+    for step in range(3):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    coord.close()
+
+
 def test_reload_starts_in_last_backward_within_budget():
     layer_bytes, logits_bytes = 40_000, 30_000
     opt = FakeDistOpt()
