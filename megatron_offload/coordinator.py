@@ -257,7 +257,7 @@ class OffloadCoordinator:
         allocated = self._allocated() if ceiling is not None else 0
         # The chunked step holds at most its budget: what comes back now is held until stepped.
         cap = self._backward_reload_cap()
-        resident = self._step_resident()
+        resident = self._resident_bytes()
         chosen = []
         for off, chunk in todo:
             if ceiling is not None and allocated + chunk.gpu_nbytes > ceiling:
@@ -525,8 +525,7 @@ class OffloadCoordinator:
         floor = STEP_WINDOW_CHUNKS * slot
         if not self._fwd_end_max:
             return floor
-        resident = self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
-        other = self._allocated() - resident
+        other = self._allocated() - self._resident_bytes()
         return max(floor, self._fwd_end_max - other - slot - self.margin_bytes)
 
     def _backward_reload_cap(self) -> float:
@@ -542,7 +541,8 @@ class OffloadCoordinator:
     def _slot(self) -> int:
         return max((c.gpu_nbytes for _, c in self._chunks(*ChunkState)), default=0)
 
-    def _step_resident(self) -> int:
+    def _resident_bytes(self) -> int:
+        """GPU bytes of the chunk buffers that are allocated (in any state but OFFLOADED)."""
         return self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
 
     def _admit(self, todo, budget: int, force_first: bool = False) -> None:
@@ -552,10 +552,10 @@ class OffloadCoordinator:
         for i, (off, chunk) in enumerate(todo):
             if chunk.state is not ChunkState.OFFLOADED:
                 continue
-            over = self._step_resident() + chunk.gpu_nbytes - budget
+            over = self._resident_bytes() + chunk.gpu_nbytes - budget
             if over > 0:
                 self._free_stepped(over)
-                if self._step_resident() + chunk.gpu_nbytes > budget and not (force_first and i == 0):
+                if self._resident_bytes() + chunk.gpu_nbytes > budget and not (force_first and i == 0):
                     return
             off.start_copy_in([chunk])
 
@@ -611,7 +611,7 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     def _activation_bytes(self) -> int:
         """Allocated bytes that are not chunk buffers (the planner's growth is relative)."""
-        return self._allocated() - self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_OUT, ChunkState.COPYING_IN)
+        return self._allocated() - self._resident_bytes()
 
     def _mark(self, label: str) -> None:
         if self._recorder is not None:

@@ -367,11 +367,6 @@ class OptimizerStateOffloader:
     # ----------------------------------------------------------------------------------------
     # Transitions
     # ----------------------------------------------------------------------------------------
-    @property
-    def host_valid(self) -> bool:
-        """The host copy of every chunk is current."""
-        return all(c.host_valid for c in self.chunks)
-
     def start_copy_out(self, chunks: Optional[List[Chunk]] = None) -> None:
         """RESIDENT -> COPYING_OUT for `chunks` (default: every RESIDENT chunk): enqueue the D2H of
         those whose host copy is stale. Does not free anything.

@@ -262,7 +262,7 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
 
         def watched(o, k, original=original):
             original(o, k)
-            resident_in_step.append((coord._step_resident(), coord._step_budget_now))
+            resident_in_step.append((coord._resident_bytes(), coord._step_budget_now))
         setattr(coord, hook, watched)
 
     def watch(when):
