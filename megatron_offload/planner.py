@@ -269,6 +269,11 @@ def report(profile: Profile, name: str = "") -> str:
     if cap < profile.state_bytes - 1e-6:
         lines.append(f"  the optimizer step itself is (near) the peak: an unchunked step lets at most "
                      f"{cap / GiB:.2f} GiB come off it (a chunked step is needed for more)")
+        for budget_gib in (1.5, 3.0):
+            p = predict(profile, profile.state_bytes, step_budget=budget_gib * GiB)
+            lines.append(f"  --offload-chunked-step holding {budget_gib:g} GiB during the step: all "
+                         f"{profile.state_bytes / GiB:.2f} GiB off the peak in {p.iteration_ms:.0f} ms/iter "
+                         f"({p.ratio:.3f}x{'' if p.feasible else '; the budget does not fit under the lowered peak'})")
     if cap <= 0:
         return "\n".join(lines)
     free = free_bytes(profile)

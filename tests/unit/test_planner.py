@@ -71,6 +71,10 @@ def test_cli_runs_each_preset(capsys):
         planner.main(["--preset", name])
     out = capsys.readouterr().out
     assert "plan r1" in out and "chunked step" in out
+    r2 = out[out.index("plan r2"):]
+    assert "--offload-chunked-step holding 1.5 GiB during the step: all 6.80 GiB off the peak" in r2
+    assert "holding 3 GiB" in r2 and "does not fit" in r2.split("holding 3 GiB")[1].splitlines()[0]
+    assert "--offload-chunked-step" not in out[out.index("plan r1"):out.index("plan r2")]
 
 
 def test_profile_from_timeline_marks():
