@@ -452,10 +452,14 @@ class OffloadCoordinator:
     def _before_inner_step(self, off: OptimizerStateOffloader) -> None:
         if self._suspended:
             return
+        self._stepping(off)
+        off.make_resident(will_modify=True)
+
+    def _stepping(self, off: OptimizerStateOffloader) -> None:
+        """`off`'s inner step begins (whole or chunked)."""
         self._trace(f"step_begin:{off.name}")
         self.phase = Phase.STEPPING
         self._stepped.add(id(off))
-        off.make_resident(will_modify=True)
 
     def _after_inner_step(self, off: OptimizerStateOffloader) -> None:
         if self._suspended:
@@ -569,9 +573,7 @@ class OffloadCoordinator:
 
     def _begin_chunked_step(self, off: OptimizerStateOffloader):
         """The pieces of `off`'s step: chunks already back (or coming) first, then the rest."""
-        self._trace(f"step_begin:{off.name}")
-        self.phase = Phase.STEPPING
-        self._stepped.add(id(off))
+        self._stepping(off)
         if not self._step_budget_now:
             self._step_budget_now = self._step_budget()
         self.step_budgets = (self.step_budgets + [self._step_budget_now])[-64:]
@@ -598,9 +600,8 @@ class OffloadCoordinator:
         # or a later one's in the chain) needs its room; otherwise it stays resident and leaves
         # with the next forward like an unchunked step's state: a D2H enqueued now would also
         # hold up the loss read that follows the step (optimizer_step_done).
-        waiting = [(o, c) for o in self.offloaders if id(o) not in self._stepped or o is off
-                   for c in (order[k + 1:] if o is off else o.chunks) if c.state is ChunkState.OFFLOADED]
-        if not waiting:
+        later = order[k + 1:] + [c for o in self.offloaders if id(o) not in self._stepped for c in o.chunks]
+        if not any(c.state is ChunkState.OFFLOADED for c in later):
             return
         off.start_copy_out([order[k]])
         self._stepped_out.append((off, order[k]))
