@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_offload import ChunkState, OffloadCoordinator
+from megatron_offload.coordinator import Phase
 from megatron_offload.chunked_step import (
     complete_pieces,
     first_chunk_of,
@@ -331,4 +332,85 @@ def test_an_explicit_step_budget_is_used_but_never_below_one_chunk():
         chunked_iteration(opt, coord, step)
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
     assert coord.step_budgets == [off.chunks[0].gpu_nbytes] * 3
+    coord.close()
+
+
+@pytest.mark.parametrize("budget_chunks", [3, 4])
+def test_chunked_step_frees_a_chunk_only_one_piece_after_its_copy_out(budget_chunks):
+    """The pipeline of the step: a chunk's memory is freed for the next reload only after the
+    following piece was enqueued, so that the compute stream never waits for the D2H it enqueued
+    just before (that would serialise Adam, D2H and H2D piece by piece). Also holds with a budget
+    of exactly three chunks, the minimum, and the result stays bit-identical."""
+    from test_offloader_cpu import make_coord
+
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, step_budget_bytes=1)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    coord.step_budget_bytes = budget_chunks * off.chunks[0].gpu_nbytes
+    stepped, lags, within = [], [], []
+    original_after, original_free = coord._after_piece, off.free
+
+    def after_piece(o, k):
+        stepped.append(coord._step_order[id(o)][k] if k < len(coord._step_order[id(o)]) else None)
+        original_after(o, k)
+        within.append(coord._resident_bytes() <= coord._step_budget_now)
+
+    def free(chunks):
+        if coord.phase is Phase.STEPPING:
+            for chunk in chunks:
+                lags.append(len(stepped) - 1 - stepped.index(chunk))
+        return original_free(chunks)
+
+    coord._after_piece, off.free = after_piece, free
+    for step in range(3):
+        stepped.clear()
+        make_grads(ref.all_params(), step)
+        ref.step()
+        chunked_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    assert lags and min(lags) >= 1, lags
+    assert within and all(within)
+    coord.close()
+
+
+def test_chunked_step_reloads_in_the_backward_up_to_the_level_the_step_reached():
+    """When the step is the iteration's peak (the forwards' activations are smaller than its
+    budget: full recompute), the last backward may bring chunks back up to the level the last
+    step reached, not only up to the forwards' level (which left the whole budget to load after
+    the backward). The bound: never above that step level."""
+    from test_offloader_cpu import make_coord
+
+    opt = MegatronShapedMany()
+    act = [0]
+    base = 10**6
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, free_block_sizes=lambda: [2**40],
+                       memory_allocated=lambda: base + coord._resident_bytes() + act[0],
+                       max_memory_allocated=lambda: base + coord._resident_bytes() + act[0])
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    slot = off.chunks[0].gpu_nbytes
+    back_in_backward, levels = [], []
+    for step in range(3):
+        for mb in range(2):
+            coord.forward_begin(True)
+            act[0] = slot // 2
+            coord._on_layer_forward(None, ())
+            act[0] = slot  # the forward's end: one chunk's worth of activations
+            coord.forward_end()
+            coord.backward_begin()
+            act[0] = slot // 2
+            coord._on_layer_backward(None)
+            levels.append(base + coord._resident_bytes() + act[0])
+        act[0] = 0
+        back_in_backward.append(coord.bytes_in(ChunkState.COPYING_IN, ChunkState.RESIDENT))
+        coord.grads_finalizing()
+        make_grads(opt.all_params(), step)
+        opt.step()
+        coord.optimizer_step_done()
+    # Step 1: no step level known yet (forwards' level only: nothing fits beside the
+    # backward's activations); then what the step held (3 chunks) bounds the backward's reloads.
+    assert back_in_backward[0] == 0
+    assert back_in_backward[1] > 0 and back_in_backward[2] > 0, back_in_backward
+    assert max(levels) <= base + 3 * slot, (levels, slot)
     coord.close()
