@@ -45,6 +45,11 @@ class StateTensor:
     tensor: torch.Tensor
     # The inner optimizer's parameter this tensor belongs to (the chunked step steps by param).
     param: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    # For a placeholder (a meta tensor standing for zeros not created yet, see
+    # `OptimizerStateOffloader.materialize_state`): the state dict that holds it, where packing
+    # puts the real tensor.
+    owner: Optional[dict] = dataclasses.field(default=None, repr=False, compare=False)
+    key: Optional[str] = None
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +68,8 @@ class Discovery:
 
 
 def _on_device(t: object, device: torch.device) -> bool:
-    return isinstance(t, torch.Tensor) and t.device == device
+    """On the accelerator, or a placeholder for state to be created there (meta)."""
+    return isinstance(t, torch.Tensor) and (t.device == device or t.is_meta)
 
 
 def _check_exact(name: str, t: torch.Tensor) -> None:
@@ -104,19 +110,20 @@ def find_state_tensors(dist_opt, device: Optional[torch.device] = None) -> Disco
             prefix = f"group{gi}.param{pi}"
             candidates = []
             if id(p) in masters and _on_device(p, device):
-                candidates.append((f"{prefix}.master", p))
+                candidates.append((f"{prefix}.master", p, None))
             state = inner.state.get(p, {})
             for key, value in state.items():
                 if not _on_device(value, device) or key in NEVER_OFFLOADED_KEYS:
                     continue
                 if key in OFFLOADED_STATE_KEYS:
-                    candidates.append((f"{prefix}.{key}", value))
+                    candidates.append((f"{prefix}.{key}", value, key))
                 else:
                     others.append(f"{prefix}.{key}")
-            for name, t in candidates:
+            for name, t, key in candidates:
                 if t.numel() == 0 or id(t) in seen:
                     continue
                 seen.add(id(t))
                 _check_exact(name, t)
-                found.append(StateTensor(name, t, param=p))
+                owner = state if t.is_meta else None
+                found.append(StateTensor(name, t, param=p, owner=owner, key=key if owner is not None else None))
     return Discovery(found, others)
