@@ -43,6 +43,9 @@ MODIFIERS = {
     # Allocator history of rank 0 from start-up through iteration 6 (before the timed iterations
     # when --warmup >= 7), for scripts/alloc_trace.py.
     "memhist": {"MEGATRON_OFFLOAD_MEMHIST": "6"},
+    # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
+    # (gpu_timeline_iter10.json.gz in the variant's record directory).
+    "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
 }
 VARIANTS = {
     "baseline": [],

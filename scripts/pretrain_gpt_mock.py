@@ -127,6 +127,29 @@ def distributed_optimizers(opt):
         yield opt
 
 
+def write_gpu_timeline(profiler, path):
+    """The profiled iteration's GPU activity, compactly: [start us, duration us, stream, kind,
+    bytes or 0, name] per kernel / memcpy / memset, from the profiler's trace (what a timeline
+    viewer would show, small enough to bring back from a lent machine)."""
+    import gzip
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        profiler.export_chrome_trace(tmp.name)
+        trace = json.load(open(tmp.name))
+    rows = []
+    for e in trace.get("traceEvents", []):
+        cat = e.get("cat", "")
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
+            continue
+        args = e.get("args", {})
+        rows.append([e["ts"], e["dur"], args.get("stream", e.get("tid")), cat,
+                     args.get("bytes", 0), e.get("name", "")[:60]])
+    rows.sort()
+    with gzip.open(path, "wt") as f:
+        json.dump(rows, f)
+
+
 def memhist_marker(iteration, k):
     """A tiny allocation whose size tags a point of the iteration in the allocator history."""
     torch.empty(512 * (1000 + 4 * (iteration or 0) + k), dtype=torch.uint8, device="cuda")  # freed at once
@@ -225,6 +248,7 @@ class Recorder:
                     f.write(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
                     f.write("\n")
                     f.write(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+                write_gpu_timeline(profiler, os.path.join(self.out_dir, f"gpu_timeline_iter{iteration}.json.gz"))
             # The compute stream only: a device-wide sync would also wait for megatron-offload's
             # copy-out, which by design overlaps the next iteration's forward.
             torch.cuda.current_stream().synchronize()
