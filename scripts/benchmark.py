@@ -117,9 +117,12 @@ def summarize(run, warmup):
     }
 
 
-def compare_with_planner(results, gbps):
+def compare_with_planner(results, gbps, both_gbps=None):
     """The planner's floor from the baseline's measured phase timeline, next to each offload
-    variant's measured step time (rank 0)."""
+    variant's measured step time (rank 0). `both_gbps`: both directions at once (sum), as measured
+    by the copy ceilings of the same call (default 2 x gbps: the chunked step's floor, which streams
+    both ways at once, is then too low where the host cannot carry both at full rate; measured
+    87.9 and 100.7 GB/s on two x2 hosts)."""
     from megatron_offload import planner
 
     base = results.get("baseline")
@@ -131,7 +134,8 @@ def compare_with_planner(results, gbps):
         if not state:
             continue
         prof = planner.profile_from_timeline(
-            base["timeline"]["marks"], state, base["timeline"]["step_peak_growth"], gbps, gbps, 2 * gbps)
+            base["timeline"]["marks"], state, base["timeline"]["step_peak_growth"], gbps, gbps,
+            both_gbps or 2 * gbps)
         budget = (r.get("step_budget_gib") or [0])[0] * planner.GiB
         if budget:  # the chunked step: the whole state, the step holding at most `budget`
             pred = planner.predict(prof, state, step_budget=budget)
@@ -166,12 +170,22 @@ def main(argv=None):
     p.add_argument("--extra", default="")
     p.add_argument("--gbps", type=float, default=None,
                    help="PCIe GB/s per direction for the planner (default: measured, see --no-ceilings)")
+    p.add_argument("--both-gbps", type=float, default=None,
+                   help="GB/s of both directions at once, summed (default: measured, else 2 x --gbps)")
     p.add_argument("--no-ceilings", action="store_true", help="skip measuring the copy ceilings first")
+    p.add_argument("--replan", metavar="BENCHMARK_JSON",
+                   help="no runs: the planner comparison again for a finished benchmark.json (its own ceilings)")
     p.add_argument("--timeline-at", type=int, default=None,
                    help="iteration whose phases are marked for the planner (default: warmup + 2)")
     p.add_argument("--env", action="append", default=[],
                    help="KEY=VALUE for every run, e.g. CUDA_DEVICE_MAX_CONNECTIONS=8 (default 1)")
     opts = p.parse_args(argv)
+    if opts.replan:
+        done = json.load(open(opts.replan))
+        ceil = done.get("ceilings") or {}
+        gbps = opts.gbps or (min(ceil["d2h_gbps"], ceil["h2d_gbps"]) if ceil else 55.0)
+        compare_with_planner(done["results"], gbps, opts.both_gbps or ceil.get("both_gbps"))
+        return
     env_extra = dict(kv.split("=", 1) for kv in opts.env)
     env_extra.setdefault("MEGATRON_OFFLOAD_NO_DIGEST", "1")  # the losses are compared, not digests
     env_extra.setdefault("MEGATRON_OFFLOAD_TIMELINE_AT",
@@ -190,6 +204,8 @@ def main(argv=None):
             print("copy ceilings could not be measured; the planner assumes 55 GB/s", flush=True)
     if opts.gbps is None:
         opts.gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"]) if ceilings else 55.0
+    if opts.both_gbps is None and ceilings:
+        opts.both_gbps = ceilings.get("both_gbps")
     results = {}
     for name in opts.variants.split(","):
         variant, *mods = name.split("@")
@@ -244,7 +260,7 @@ def main(argv=None):
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
     print("\n".join(notes))
-    planned = compare_with_planner(results, opts.gbps)
+    planned = compare_with_planner(results, opts.gbps, opts.both_gbps)
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
         json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
                    "env": env_extra, "planner": planned, "ceilings": ceilings,

@@ -41,7 +41,7 @@ def main(argv=None):
         out = os.path.join(opts.out, f"gbs{gbs}")
         cmd = [sys.executable, os.path.join(HERE, "benchmark.py"), "--preset", "r1", "--nproc", str(opts.nproc),
                "--iters", str(opts.iters), "--warmup", str(opts.warmup), "--variants", opts.variants,
-               "--no-ceilings", "--gbps", str(gbps), "--out", out,
+               "--no-ceilings", "--gbps", str(gbps), "--both-gbps", str(ceilings["both_gbps"]), "--out", out,
                f"--extra=--global-batch-size {gbs}"] + [f"--env={kv}" for kv in opts.env]
         done = subprocess.run(cmd)
         path = os.path.join(out, "benchmark.json")
