@@ -675,8 +675,11 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
         self._suspended += 1
+        self._take_back(off, will_modify)
+
+    def _take_back(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
         if off in self._copy_out_due:
-            # Still resident and stepped; `after_state_access` sends it out.
+            # Still resident and stepped; whoever takes it back sends it out again.
             self._copy_out_due.remove(off)
         off.make_resident(will_modify=will_modify)
 
@@ -688,9 +691,7 @@ class OffloadCoordinator:
         at most one chunk of packed state exists at a time (and the zeros of materialized
         moments are only ever created inside their chunk)."""
         for off in self.offloaders:
-            if off in self._copy_out_due:
-                self._copy_out_due.remove(off)
-            off.make_resident(will_modify=True)
+            self._take_back(off, will_modify=True)
             if materialize:
                 off.materialize_state()
             off.refresh(stream_out=True)

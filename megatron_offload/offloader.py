@@ -281,6 +281,10 @@ class OptimizerStateOffloader:
                 # The next chunk is allocated on the compute stream, which `free` orders after
                 # this chunk's copy: it may take this chunk's block.
                 self.free([chunk])
+                if self.device.type == "cuda":
+                    # Why: `empty_cache` below may unmap that block, which the copy may still
+                    # be reading (start-up only: one wait per chunk).
+                    self.streams.compute.synchronize()
             if self.device.type == "cuda":
                 # The chunk's old storages are free now but cached as separate segments that
                 # large activations (and the next chunk) cannot use. Returning them chunk by
