@@ -117,6 +117,16 @@ def summarize(run, warmup):
     }
 
 
+def planner_rates(ceilings, gbps=None, both_gbps=None):
+    """(GB/s per direction, GB/s both at once) for the planner: given values, else the copy
+    ceilings measured in the same call, else 55 GB/s (both: None, i.e. 2 x per direction)."""
+    if gbps is None:
+        gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"]) if ceilings else 55.0
+    if both_gbps is None and ceilings:
+        both_gbps = ceilings.get("both_gbps")
+    return gbps, both_gbps
+
+
 def compare_with_planner(results, gbps, both_gbps=None):
     """The planner's floor from the baseline's measured phase timeline, next to each offload
     variant's measured step time (rank 0). `both_gbps`: both directions at once (sum), as measured
@@ -182,9 +192,7 @@ def main(argv=None):
     opts = p.parse_args(argv)
     if opts.replan:
         done = json.load(open(opts.replan))
-        ceil = done.get("ceilings") or {}
-        gbps = opts.gbps or (min(ceil["d2h_gbps"], ceil["h2d_gbps"]) if ceil else 55.0)
-        compare_with_planner(done["results"], gbps, opts.both_gbps or ceil.get("both_gbps"))
+        compare_with_planner(done["results"], *planner_rates(done.get("ceilings"), opts.gbps, opts.both_gbps))
         return
     env_extra = dict(kv.split("=", 1) for kv in opts.env)
     env_extra.setdefault("MEGATRON_OFFLOAD_NO_DIGEST", "1")  # the losses are compared, not digests
@@ -202,10 +210,7 @@ def main(argv=None):
             ceilings = json.load(open(path))[-1]
         else:  # the runs matter more than the ceiling: go on without it
             print("copy ceilings could not be measured; the planner assumes 55 GB/s", flush=True)
-    if opts.gbps is None:
-        opts.gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"]) if ceilings else 55.0
-    if opts.both_gbps is None and ceilings:
-        opts.both_gbps = ceilings.get("both_gbps")
+    opts.gbps, opts.both_gbps = planner_rates(ceilings, opts.gbps, opts.both_gbps)
     results = {}
     for name in opts.variants.split(","):
         variant, *mods = name.split("@")
