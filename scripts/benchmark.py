@@ -73,13 +73,17 @@ VARIANT_ENV = {"native-offload": {"MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP": "1"}}
 
 
 def variant_args(variant):
-    """Arguments of a variant: one of VARIANTS, or offload-chunk<MiB> / offload-frac<percent>."""
+    """Arguments of a variant: one of VARIANTS, or offload-chunk<MiB> / offload-frac<percent> /
+    offload-stepbudget<MiB>[-chunk<MiB>] / offload-chunked-chunk<MiB> (automatic budget)."""
     if variant in VARIANTS:
         return VARIANTS[variant]
+    m = re.fullmatch(r"offload-chunked-chunk(\d+)", variant)
+    if m:
+        return VARIANTS["offload-chunked"] + ["--offload-chunk-size-mb", m.group(1)]
     m = re.fullmatch(r"offload-(chunk|frac|stepbudget)(\d+)(?:-chunk(\d+))?", variant)
     if not m or (m.group(3) and m.group(1) != "stepbudget"):
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}, offload-chunk<MiB>, "
-                         "offload-frac<percent>, offload-stepbudget<MiB>[-chunk<MiB>]")
+                         "offload-frac<percent>, offload-stepbudget<MiB>[-chunk<MiB>], offload-chunked-chunk<MiB>")
     if m.group(1) == "stepbudget":
         chunk = ["--offload-chunk-size-mb", m.group(3)] if m.group(3) else []
         return ["--offload-optimizer-states", "--offload-chunked-step", "--offload-step-budget-mb", m.group(2), *chunk]
