@@ -121,9 +121,15 @@ def summarize(run, warmup):
     }
 
 
-def planner_rates(ceilings, gbps=None, both_gbps=None):
+def planner_rates(ceilings, gbps=None, both_gbps=None, together=True):
     """(GB/s per direction, GB/s both at once) for the planner: given values, else the copy
-    ceilings measured in the same call, else 55 GB/s (both: None, i.e. 2 x per direction)."""
+    ceilings measured in the same call, else 55 GB/s (both: None, i.e. 2 x per direction).
+    `together`: where measured, the ceilings of all the run's GPUs copying at once (the slowest
+    GPU's): in a data-parallel run every rank steps, hence copies, at the same moment, and the GPUs
+    of a host share its root complex and memory (measured on a 2 x H200 host: both directions at
+    once 100.8 GB/s on one GPU alone)."""
+    if ceilings and together and ceilings.get("all_devices"):
+        ceilings = ceilings["all_devices"]
     if gbps is None:
         gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"]) if ceilings else 55.0
     if both_gbps is None and ceilings:
@@ -131,21 +137,26 @@ def planner_rates(ceilings, gbps=None, both_gbps=None):
     return gbps, both_gbps
 
 
-def compare_with_planner(results, gbps, both_gbps=None):
+def reference(results, name):
+    """The baseline run under the same environment modifiers as `name`, else the plain baseline."""
+    mods = name.split("@")[1:]
+    return results.get("@".join(["baseline", *mods])) or results.get("baseline")
+
+
+def compare_with_planner(results, gbps, both_gbps=None, alone=None):
     """The planner's floor from the baseline's measured phase timeline, next to each offload
     variant's measured step time (rank 0). `both_gbps`: both directions at once (sum), as measured
     by the copy ceilings of the same call (default 2 x gbps: the chunked step's floor, which streams
     both ways at once, is then too low where the host cannot carry both at full rate; measured
-    87.9 and 100.7 GB/s on two x2 hosts)."""
+    87.9 and 100.7 GB/s on two x2 hosts). `alone`: (gbps, both_gbps) of one GPU copying alone,
+    for a second floor next to the first when the rates differ."""
     from megatron_offload import planner
 
-    base = results.get("baseline")
-    if not base or not base.get("timeline"):
-        return {}
     rows = {}
     for name, r in results.items():
         state = r["offloaded_gib"][0] * planner.GiB
-        if not state:
+        base = reference(results, name)
+        if not state or not base or not base.get("timeline"):
             continue
         prof = planner.profile_from_timeline(
             base["timeline"]["marks"], state, base["timeline"]["step_peak_growth"], gbps, gbps,
@@ -157,9 +168,19 @@ def compare_with_planner(results, gbps, both_gbps=None):
             pred = planner.predict(prof, min(state, prof.max_unchunked_bytes))
         rows[name] = {"predicted_ms": pred.iteration_ms, "timeline_ms": prof.iteration_ms,
                       "predicted_ratio": pred.ratio, "measured_ratio": r["ratio"],
-                      "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB}
+                      "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB,
+                      "gbps": gbps, "both_gbps": both_gbps or 2 * gbps}
+        also = ""
+        if alone and tuple(alone) != (gbps, both_gbps):
+            lone = dataclasses.replace(prof, d2h_gbps=alone[0], h2d_gbps=alone[0],
+                                       both_gbps=alone[1] or 2 * alone[0])
+            lone_pred = planner.predict(lone, state, step_budget=budget) if budget else planner.predict(
+                lone, min(state, lone.max_unchunked_bytes))
+            rows[name]["predicted_ratio_one_gpu_ceiling"] = lone_pred.ratio
+            also = f" (with one GPU's ceilings {alone[0]:.1f} / both {lone.both_gbps:.1f} GB/s: {lone_pred.ratio:.3f}x)"
         print(f"planner {name}: floor {pred.ratio:.3f}x of the marked iteration "
-              f"({pred.iteration_ms:.0f} / {prof.iteration_ms:.0f} ms); measured {r['ratio']:.3f}x")
+              f"({pred.iteration_ms:.0f} / {prof.iteration_ms:.0f} ms; {gbps:.1f} GB/s per direction, both "
+              f"{both_gbps or 2 * gbps:.1f}){also}; measured {r['ratio']:.3f}x")
         if name.startswith("offload-auto") or name.startswith("offload-frac"):
             # Issue 3's automatic mode: bytes off the peak against what the planner calls free
             # (the whole state of the baseline, at <= 0.5 % predicted cost).
@@ -196,7 +217,8 @@ def main(argv=None):
     opts = p.parse_args(argv)
     if opts.replan:
         done = json.load(open(opts.replan))
-        compare_with_planner(done["results"], *planner_rates(done.get("ceilings"), opts.gbps, opts.both_gbps))
+        compare_with_planner(done["results"], *planner_rates(done.get("ceilings"), opts.gbps, opts.both_gbps),
+                             alone=planner_rates(done.get("ceilings"), together=False))
         return
     env_extra = dict(kv.split("=", 1) for kv in opts.env)
     env_extra.setdefault("MEGATRON_OFFLOAD_NO_DIGEST", "1")  # the losses are compared, not digests
@@ -209,7 +231,8 @@ def main(argv=None):
         # In a subprocess: a CUDA context in this driver would sit on GPU 0 during the runs.
         path = os.path.join(opts.out, "ceilings.json")
         done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                            "copy_ceilings.py"), "--sizes-gib", "4", "--out", path])
+                                                            "copy_ceilings.py"), "--sizes-gib", "4", "--out", path,
+                               "--devices", str(opts.nproc)])
         if done.returncode == 0 and os.path.exists(path):
             ceilings = json.load(open(path))[-1]
         else:  # the runs matter more than the ceiling: go on without it
@@ -232,11 +255,6 @@ def main(argv=None):
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)
         with open(os.path.join(opts.out, "benchmark.json"), "w") as f:  # partial, in case of a time-out
             json.dump({"partial": True, "ceilings": ceilings, "results": results}, f, indent=1)
-    def reference(name):
-        """The baseline run under the same environment modifiers, else the plain baseline."""
-        mods = name.split("@")[1:]
-        return results.get("@".join(["baseline", *mods])) or results.get("baseline")
-
     print(f"\npreset {opts.preset}, {opts.nproc} GPUs, iterations {opts.warmup + 1}-{opts.iters} (fewer for "
           f"{', '.join(MAX_ITERS)}), rank 0 unless noted; each variant against the baseline with the same '@' modifiers")
     print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | steady max reserved GiB | "
@@ -244,7 +262,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     notes = []
     for name, r in results.items():
-        ref = reference(name)
+        ref = reference(results, name)
         r["reference"] = next((k for k, v in results.items() if v is ref), None)
         ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
         saved = (ref["max_reserved_gib"][0] - r["max_reserved_gib"][0]) if ref else float("nan")
@@ -269,7 +287,8 @@ def main(argv=None):
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
     print("\n".join(notes))
-    planned = compare_with_planner(results, opts.gbps, opts.both_gbps)
+    planned = compare_with_planner(results, opts.gbps, opts.both_gbps,
+                                   alone=planner_rates(ceilings, together=False))
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
         json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
                    "env": env_extra, "planner": planned, "ceilings": ceilings,

@@ -1,6 +1,6 @@
 """PCIe copy ceilings on this GPU: pinned D2H, pinned H2D, and both directions at once.
 
-    python scripts/copy_ceilings.py [--sizes-gib 0.25,1,4] [--repeat 5] [--out ceilings.json]
+    python scripts/copy_ceilings.py [--sizes-gib 0.25,1,4] [--repeat 5] [--out ceilings.json] [--devices N]
 
 Host memory is page-locked exactly as megatron-offload does it (`PinnedHostBuffer`, i.e.
 cudaHostRegister), the device side is a plain allocation. Each figure is the median over
@@ -70,10 +70,66 @@ def measure(sizes_gib, repeat=5):
         assert torch.equal(dev_dst[:4096].cpu(), dev_src[:4096].cpu()) and torch.equal(
             h_out[:4096], dev_src[:4096].cpu()), "copy check failed"
         results.append(row)
-        del dev_src, dev_dst
         host_out.close()
         host_in.close()
     return results
+
+
+def measure_all_devices(gib, repeat=5, count=None):
+    """The same three copies on the first `count` GPUs (default all) at once, as in a data-parallel run where every
+    rank steps (and copies) at the same moment: the GPUs of one host share its root complex and
+    memory, so each may get less than alone. Host memory is pinned once per GPU (each rank pins
+    its own). Returns per-GPU GB/s, the slowest GPU's median, per direction and both at once."""
+    devices = list(range(count or torch.cuda.device_count()))
+    nbytes = int(gib * 2**30)
+    per = []
+    for d in devices:
+        with torch.cuda.device(d):
+            host_out, host_in = PinnedHostBuffer(nbytes), PinnedHostBuffer(nbytes)
+            src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=d)
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=d)
+            h_out, h_in = host_out.view(0, src), host_in.view(0, src)
+            h_in.copy_(src)
+            per.append(dict(device=d, hosts=(host_out, host_in), src=src, dst=dst, h_out=h_out, h_in=h_in,
+                            d2h=torch.cuda.Stream(d), h2d=torch.cuda.Stream(d)))
+
+    def launch(g, kind):
+        """Enqueue one timed copy set on GPU g; returns its (start, end) events."""
+        with torch.cuda.device(g["device"]):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            current = torch.cuda.current_stream()
+            start.record(current)
+            for name in (("d2h", "h2d") if kind == "both" else (kind,)):
+                stream = g[name]
+                stream.wait_stream(current)  # after the start event
+                with torch.cuda.stream(stream):
+                    if name == "d2h":
+                        g["h_out"].copy_(g["src"], non_blocking=True)
+                    else:
+                        g["dst"].copy_(g["h_in"], non_blocking=True)
+                current.wait_stream(stream)  # the end event covers the copy
+            end.record(current)
+        return start, end
+
+    row = {"gib": gib, "devices": len(devices), "pinning": per[0]["hosts"][0].pinning}
+    for kind, factor in (("d2h", 1), ("h2d", 1), ("both", 2)):
+        rates = {g["device"]: [] for g in per}
+        for i in range(repeat + 1):  # the first round warms up
+            for d in devices:
+                torch.cuda.synchronize(d)
+            events = [(g["device"], launch(g, kind)) for g in per]  # every GPU starts within ~100 us
+            for d in devices:
+                torch.cuda.synchronize(d)
+            if i:
+                for d, (start, end) in events:
+                    rates[d].append(factor * nbytes / start.elapsed_time(end) / 1e6)
+        medians = [statistics.median(r) for r in rates.values()]
+        row[f"{kind}_gbps_per_device"] = medians
+        row[f"{kind}_gbps"] = min(medians)
+    for g in per:
+        for host in g["hosts"]:
+            host.close()
+    return row
 
 
 def main(argv=None):
@@ -81,6 +137,8 @@ def main(argv=None):
     p.add_argument("--sizes-gib", default="0.25,1,4")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=None)
+    p.add_argument("--devices", type=int, default=0,
+                   help="also the largest size on this many GPUs at once (recorded as all_devices)")
     opts = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("copy_ceilings: needs a CUDA GPU")
@@ -89,6 +147,19 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['gib']:g} | {r['pinning']} | {r['d2h_gbps']:.1f} | {r['h2d_gbps']:.1f} | {r['both_gbps']:.1f} |")
+    together = None
+    if opts.devices > 1 and torch.cuda.device_count() >= opts.devices:
+        size = float(opts.sizes_gib.split(",")[-1])
+        try:
+            together = measure_all_devices(size, opts.repeat, opts.devices)
+        except Exception as error:  # the one-GPU ceilings above still stand
+            print(f"copy_ceilings: {opts.devices} GPUs at once failed: {error!r}")
+            together = None
+    if opts.devices > 1 and together:
+        print(f"all {together['devices']} GPUs at once, {size:g} GiB each (slowest GPU): D2H "
+              f"{together['d2h_gbps']:.1f}, H2D {together['h2d_gbps']:.1f}, both {together['both_gbps']:.1f} GB/s "
+              f"(per GPU: both {', '.join(f'{x:.1f}' for x in together['both_gbps_per_device'])})")
+        rows[-1]["all_devices"] = together
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -33,15 +33,17 @@ def main(argv=None):
     os.makedirs(opts.out, exist_ok=True)
     ceilings_path = os.path.join(opts.out, "ceilings.json")
     subprocess.run([sys.executable, os.path.join(HERE, "copy_ceilings.py"), "--sizes-gib", "4",
-                    "--out", ceilings_path], check=True)
+                    "--devices", str(opts.nproc), "--out", ceilings_path], check=True)
     ceilings = json.load(open(ceilings_path))[-1]
-    gbps = min(ceilings["d2h_gbps"], ceilings["h2d_gbps"])
+    # Every rank copies at the same moment: the ceilings of all GPUs at once (benchmark.planner_rates).
+    together = ceilings.get("all_devices") or ceilings
+    gbps = min(together["d2h_gbps"], together["h2d_gbps"])
     rows = []
     for gbs in [int(x) for x in opts.gbs.split(",")]:
         out = os.path.join(opts.out, f"gbs{gbs}")
         cmd = [sys.executable, os.path.join(HERE, "benchmark.py"), "--preset", "r1", "--nproc", str(opts.nproc),
                "--iters", str(opts.iters), "--warmup", str(opts.warmup), "--variants", opts.variants,
-               "--no-ceilings", "--gbps", str(gbps), "--both-gbps", str(ceilings["both_gbps"]), "--out", out,
+               "--no-ceilings", "--gbps", str(gbps), "--both-gbps", str(together["both_gbps"]), "--out", out,
                f"--extra=--global-batch-size {gbs}"] + [f"--env={kv}" for kv in opts.env]
         done = subprocess.run(cmd)
         path = os.path.join(out, "benchmark.json")
