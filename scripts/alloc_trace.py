@@ -3,7 +3,7 @@ writes with MEGATRON_OFFLOAD_MEMHIST=<N> (memhist_rank0.npz; the benchmark's `@m
 and lists every new segment after start-up with the iteration phase and the allocation that
 needed it, plus the largest allocations (chunks) freed and re-allocated per iteration.
 
-    python scripts/alloc_trace.py memhist_rank0.npz [--min-mib 100] [--chunks]
+    python scripts/alloc_trace.py memhist_rank0.npz [--min-mib 100] [--chunks] [--deferred]
 
 Needs only numpy (runs anywhere, no GPU).
 """
@@ -18,7 +18,8 @@ MIB, GIB = 2**20, 2**30
 def load(path):
     d = np.load(path)
     actions = [str(a) for a in d["actions"]]
-    return {"action": np.array([actions[i] for i in d["action"]]), "size": d["size"], "addr": d["addr"]}
+    return {"action": np.array([actions[i] for i in d["action"]]), "size": d["size"], "addr": d["addr"],
+            "time_us": d["time_us"] if "time_us" in d.files else None}
 
 
 def phase_labels(trace):
@@ -38,6 +39,8 @@ def main():
     p.add_argument("npz")
     p.add_argument("--min-mib", type=float, default=100.0, help="segments smaller than this are not listed")
     p.add_argument("--chunks", action="store_true", help="also list allocations/frees >= --min-mib after start-up")
+    p.add_argument("--deferred", action="store_true",
+                   help="frees that waited for another stream's event: at the peak and per phase")
     o = p.parse_args()
     trace = load(o.npz)
     labels = phase_labels(trace)
@@ -61,6 +64,41 @@ def main():
             print(f"#{i:7d} {labels[i]:24s} {action:14s} {size / MIB:8.1f} MiB at {addr:#x}, "
                   f"allocated {allocated / GIB:6.2f} GiB")
     print(f"peak reserved in the trace: {peak / GIB:.2f} GiB")
+    if o.deferred:
+        deferred_report(trace, labels)
+
+
+def deferred_report(trace, labels):
+    """At the trace's reserved peak: live bytes, and bytes whose free was requested but waits for
+    an event of another stream (a block used on a stream it was not allocated on, through
+    record_stream); and per phase, how many frees waited and for how long (host time)."""
+    reserved = peak = peak_at = 0
+    for i, (action, size) in enumerate(zip(trace["action"], trace["size"])):
+        reserved += size if action in ("segment_alloc", "segment_map") else 0
+        reserved -= size if action in ("segment_free", "segment_unmap") else 0
+        if reserved > peak:
+            peak, peak_at = reserved, i
+    live, pending, waits = {}, {}, {}
+    for i, (action, size, addr) in enumerate(zip(trace["action"], trace["size"], trace["addr"])):
+        if action == "alloc":
+            live[addr] = size
+        elif action == "free_requested":
+            pending[addr] = i
+        elif action == "free_completed":
+            live.pop(addr, None)
+            j = pending.pop(addr, None)
+            if j is not None and i - j > 1 and trace["time_us"] is not None:
+                count, nbytes, longest = waits.get(labels[j], (0, 0, 0.0))
+                waited = (trace["time_us"][i] - trace["time_us"][j]) / 1e3
+                waits[labels[j]] = (count + 1, nbytes + size, max(longest, waited))
+        if i == peak_at:
+            at_peak = (sum(live.values()), sum(live[a] for a in pending if a in live))
+    print(f"at the reserved peak ({peak / GIB:.2f} GiB, event #{peak_at}, {labels[peak_at]}): "
+          f"{at_peak[0] / GIB:.2f} GiB allocated, of which {at_peak[1] / GIB:.2f} GiB freed but waiting "
+          f"for another stream's event; {(peak - at_peak[0]) / GIB:.2f} GiB free in the segments")
+    for label, (count, nbytes, longest) in waits.items():
+        print(f"  {label:24s} {count:6d} frees waited for another stream ({nbytes / GIB:.2f} GiB, "
+              f"longest {longest:.1f} ms host time)")
 
 
 if __name__ == "__main__":
