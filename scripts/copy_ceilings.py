@@ -99,15 +99,17 @@ def measure_all_devices(gib, repeat=5, count=None):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             current = torch.cuda.current_stream()
             start.record(current)
-            for name in (("d2h", "h2d") if kind == "both" else (kind,)):
-                stream = g[name]
-                stream.wait_stream(current)  # after the start event
-                with torch.cuda.stream(stream):
+            names = ("d2h", "h2d") if kind == "both" else (kind,)
+            for name in names:
+                g[name].wait_stream(current)  # after the start event (both before either copy)
+            for name in names:
+                with torch.cuda.stream(g[name]):
                     if name == "d2h":
                         g["h_out"].copy_(g["src"], non_blocking=True)
                     else:
                         g["dst"].copy_(g["h_in"], non_blocking=True)
-                current.wait_stream(stream)  # the end event covers the copy
+            for name in names:
+                current.wait_stream(g[name])  # the end event covers every copy
             end.record(current)
         return start, end
 
