@@ -47,11 +47,14 @@ class Choice:
     stalls_ms: float  # compute-stream waits removed from it
     d2h_gbps: float
     h2d_gbps: float
+    own_free_fraction: float = -1.0  # this rank's own measurement, when the group agreed on less
 
     def describe(self) -> str:
         bound = "memory" if self.fit_fraction > self.free_fraction else "free transfer"
+        agreed = (f" (the smallest of the data-parallel group; this rank measured "
+                  f"{self.own_free_fraction:.2f})" if self.own_free_fraction >= 0 else "")
         return (f"--offload-state-fraction auto: {self.fraction:.2f} (bound by {bound}; free "
-                f"{self.free_fraction:.2f}, memory needs >= {self.fit_fraction:.2f}) from a "
+                f"{self.free_fraction:.2f}{agreed}, memory needs >= {self.fit_fraction:.2f}) from a "
                 f"{self.iteration_ms:.0f} ms iteration ({self.stalls_ms:.0f} ms of copy waits "
                 f"removed), D2H {self.d2h_gbps:.1f} / H2D {self.h2d_gbps:.1f} GB/s")
 
@@ -99,9 +102,26 @@ def choose(timeline, state_bytes: int, d2h_gbps: float, h2d_gbps: float, room_by
     profile = planner.profile_from_timeline(timeline, state_bytes, step_peak_growth, d2h_gbps, h2d_gbps, both)
     free = planner.free_bytes(profile) / state_bytes if state_bytes else 1.0
     fit = 0.0 if math.isinf(room_bytes) else min(1.0, max(0.0, 1.0 - room_bytes / state_bytes))
+    return Choice(_settle(free, fit), free, fit, profile.iteration_ms, stalls_ms, d2h_gbps, h2d_gbps)
+
+
+def _settle(free: float, fit: float) -> float:
+    """What moves for free, but at least what memory needs; rounded down to 0.01, 1.0 from 0.99."""
     fraction = max(free, fit)
-    fraction = 1.0 if fraction >= 0.99 else max(0.01, math.floor(100 * fraction) / 100)
-    return Choice(fraction, free, fit, profile.iteration_ms, stalls_ms, d2h_gbps, h2d_gbps)
+    return 1.0 if fraction >= 0.99 else max(0.01, math.floor(100 * fraction) / 100)
+
+
+def agree(choice: Choice, smallest: Callable[[float], float]) -> Choice:
+    """The choice with the free fraction the whole data-parallel group agrees on (`smallest`: the
+    minimum over the group, a collective). Ranks that step in lockstep wait for the slowest one,
+    so a rank offloading more than its neighbours' free share stalls all of them (R1, measured:
+    0.41 and 0.46 chosen by the two ranks, 1.025x; the planner's floor for 0.41 is 1.003x). The
+    memory bound stays this rank's own: needing more off than is free is worth the stall."""
+    free = smallest(choice.free_fraction)
+    if free >= choice.free_fraction:
+        return choice
+    return dataclasses.replace(choice, fraction=_settle(free, choice.fit_fraction), free_fraction=free,
+                               own_free_fraction=choice.free_fraction)
 
 
 def memory_room(device: torch.device) -> Callable[[], float]:

@@ -76,6 +76,7 @@ class OffloadCoordinator:
         state_fraction: float = 1.0,
         auto_fraction_at: Optional[int] = None,
         memory_room: Optional[Callable[[], float]] = None,
+        smallest_in_group: Optional[Callable[[float], float]] = None,
         chunked_step: bool = False,
         step_budget_bytes: int = 0,
     ):
@@ -100,6 +101,9 @@ class OffloadCoordinator:
         self.auto_fraction_at = auto_fraction_at
         self.auto_choice: Optional[auto_fraction.Choice] = None
         self._memory_room = memory_room or auto_fraction.memory_room(self.device)
+        # Minimum of a number over the ranks that step in lockstep with this one (a collective;
+        # None: this rank decides alone), for the automatic fraction (auto_fraction.agree).
+        self._smallest_in_group = smallest_in_group
         self._recorder: Optional[auto_fraction.PhaseRecorder] = None
         self._iterations_done = 0
         self.fit_checks = 0  # calls of _free_block_sizes, and their host time
@@ -656,6 +660,10 @@ class OffloadCoordinator:
         d2h, h2d = auto_fraction.bandwidth_of(self.streams.stats)
         choice = auto_fraction.choose(timeline, self.state_bytes, d2h, h2d, self._memory_room(),
                                       stalls_ms=stalls_ms)
+        if self._smallest_in_group is not None:
+            # Every rank of the group gets here in the same iteration: a step is skipped on all
+            # ranks or on none (Megatron reduces inf/nan and the grad norm across them).
+            choice = auto_fraction.agree(choice, self._smallest_in_group)
         self.auto_choice = choice
         self.auto_fraction_at = None
         self._trace(f"auto_fraction:{choice.fraction:.2f}")

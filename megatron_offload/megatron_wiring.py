@@ -286,6 +286,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
         chunked_step=args.offload_chunked_step,
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
+        smallest_in_group=_smallest_in_data_parallel_group() if auto else None,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
@@ -313,6 +314,23 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         _print(_allocator_note)
     coordinator = coord
     return coord
+
+
+def _smallest_in_data_parallel_group():
+    """Minimum of a number over this rank's data-parallel group (ranks that step in lockstep);
+    None outside torch.distributed."""
+    if not torch.distributed.is_initialized():
+        return None
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+    def smallest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=torch.cuda.current_device())
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+        return float(t.item())
+
+    return smallest
 
 
 # ----------------------------------------------------------------------------------------------

@@ -174,3 +174,41 @@ def test_repack_releases_the_replaced_chunk_buffers_even_if_something_still_refe
     for buffer in held:
         assert buffer.untyped_storage().nbytes() == 0 or buffer.untyped_storage().data_ptr() in kept_storages
     assert all(st.tensor.untyped_storage().nbytes() > 0 for st in off.kept)
+
+
+def test_the_group_agrees_on_its_smallest_free_fraction_but_memory_stays_per_rank():
+    r1 = planner.PRESETS["r1"]
+    timeline = marks_of([s for s in r1.segments if s.kind != "step"])
+    own = auto_fraction.choose(timeline, r1.state_bytes, 55.0, 55.0, room_bytes=math.inf)
+    seen = []
+
+    def smallest(x):
+        seen.append(x)
+        return x - 0.05  # a neighbour measured less
+
+    agreed = auto_fraction.agree(own, smallest)
+    assert seen == [own.free_fraction]
+    assert agreed.free_fraction == pytest.approx(own.free_fraction - 0.05)
+    assert agreed.fraction == math.floor(100 * (own.free_fraction - 0.05)) / 100 < own.fraction
+    assert "smallest of the data-parallel group" in agreed.describe()
+    # This rank measured the least: its choice stands.
+    assert auto_fraction.agree(own, lambda x: x) is own
+    # A rank whose memory needs more off than the group's free share keeps its memory bound.
+    tight = auto_fraction.choose(timeline, r1.state_bytes, 55.0, 55.0, room_bytes=0.1 * r1.state_bytes)
+    assert auto_fraction.agree(tight, lambda x: x / 2).fraction == pytest.approx(0.9)
+
+
+def test_coordinator_asks_the_group_once_in_the_calibration_iteration(monkeypatch):
+    monkeypatch.setattr(auto_fraction, "choose",
+                        lambda *a, **k: auto_fraction.Choice(0.6, 0.6, 0.0, 1.0, 0.0, 55, 55))
+    asked = []
+    opt = FakeDistOpt()
+    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                               expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
+                               memory_room=lambda: math.inf,
+                               smallest_in_group=lambda x: asked.append(x) or 0.3)
+    off = coord.add_optimizer(opt)
+    for step in range(4):
+        _iteration(opt, coord, step)
+    assert asked == [0.6]
+    assert coord.auto_choice.fraction == 0.3 and off.fraction == 0.3
