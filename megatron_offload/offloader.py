@@ -44,6 +44,13 @@ TENSOR_ALIGNMENT = 256
 # The caching allocator rounds requests of 10 MiB and more up to 2 MiB (smaller ones to 512 B);
 # chunk slots use the same granularity.
 SLOT_ALIGNMENT = 2 * 2**20
+# Slots of 256 MiB and more are rounded up to this. A freed slot is a hole that the next forward's
+# activations fill, and the large ones come in power-of-two-like sizes (R1: 256 MiB attention
+# scores, 500 MiB fp32 logits); a slot a little short of them is the worst case. Measured on R1
+# (allocator history, rank 0): 498 MiB holes next to 500 MiB logits requests, each of which then
+# mapped new memory (reserved crept by 60-240 MiB per iteration after the first), and 244 MiB
+# remainders beside 256 MiB blocks. The padding costs GPU bytes only while a chunk is resident.
+LARGE_SLOT_GRANULE = 64 * 2**20
 # A state smaller than this many chunks of `chunk_bytes` is split into this many (but not below
 # MIN_CHUNK_BYTES). One chunk is what packing holds twice (start-up, after the first step and
 # loads) and what a freed chunk leaves as one hole among activations; with a small state a whole-
@@ -51,6 +58,14 @@ SLOT_ALIGNMENT = 2 * 2**20
 # state in one chunk, start-up peak 0.64 GiB against 0.61 GiB for the whole run without offloading).
 MIN_CHUNKS = 8
 MIN_CHUNK_BYTES = 16 * 2**20
+
+
+def slot_bytes(largest_chunk: int) -> int:
+    """GPU bytes of every chunk buffer of an offloader whose largest chunk packs `largest_chunk`."""
+    slot = align_up(largest_chunk, SLOT_ALIGNMENT if largest_chunk >= 10 * 2**20 else 512)
+    if slot >= 4 * LARGE_SLOT_GRANULE:
+        slot = align_up(slot, LARGE_SLOT_GRANULE)
+    return slot
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -256,8 +271,7 @@ class OptimizerStateOffloader:
         # gets a new segment, i.e. *reserved* memory grows although allocated memory did not
         # (measured on R1 with 480 and 512 MiB chunks: new 512 MiB segments at every reload).
         # With one slot size any freed chunk block takes any chunk.
-        slot = max((c.nbytes for c in chunks), default=0)
-        slot = align_up(slot, SLOT_ALIGNMENT if slot >= 10 * 2**20 else 512)
+        slot = slot_bytes(max((c.nbytes for c in chunks), default=0))
         for chunk in chunks:
             chunk.gpu_nbytes = slot
         # The previous chunk buffers are released once every tensor in them has been re-pointed

@@ -371,7 +371,7 @@ def test_skipped_step_reuses_host_copy_and_keeps_results():
         if skip:
             # Nothing changed: the host copy is current, no D2H needed to send it out again.
             assert coord.streams.stats.cumulative_d2h_bytes == d2h_before
-            assert f"skipped:optimizer" in coord.events
+            assert "skipped:optimizer" in coord.events
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
     assert coord.phase is Phase.FREEING
 
@@ -823,3 +823,16 @@ def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
     else:
         assert ev.index("reload_start") > ev.index("grads_finalizing"), ev
         assert coord.reloads_deferred_for_fit > 0
+
+
+def test_large_slots_tile_the_activations_that_fill_their_holes():
+    from megatron_offload.offloader import slot_bytes
+
+    MiB = 2**20
+    # R1: 15 chunks of ~487 MiB packed; their 498 MiB holes could not take the 500 MiB logits.
+    assert slot_bytes(497 * MiB + 12345) == 512 * MiB
+    assert slot_bytes(512 * MiB) == 512 * MiB
+    assert slot_bytes(528 * MiB) == 576 * MiB
+    # Smaller slots keep the allocator's own granularity.
+    assert slot_bytes(27 * MiB + 1) == 28 * MiB
+    assert slot_bytes(5000) == 5120
