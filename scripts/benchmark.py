@@ -162,10 +162,13 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
             base["timeline"]["marks"], state, base["timeline"]["step_peak_growth"], gbps, gbps,
             both_gbps or 2 * gbps)
         budget = (r.get("step_budget_gib") or [0])[0] * planner.GiB
-        if budget:  # the chunked step: the whole state, the step holding at most `budget`
-            pred = planner.predict(prof, state, step_budget=budget)
-        else:
-            pred = planner.predict(prof, min(state, prof.max_unchunked_bytes))
+
+        def floor(profile):
+            if budget:  # the chunked step: the whole state, the step holding at most `budget`
+                return planner.predict(profile, state, step_budget=budget)
+            return planner.predict(profile, min(state, profile.max_unchunked_bytes))
+
+        pred = floor(prof)
         rows[name] = {"predicted_ms": pred.iteration_ms, "timeline_ms": prof.iteration_ms,
                       "predicted_ratio": pred.ratio, "measured_ratio": r["ratio"],
                       "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB,
@@ -174,8 +177,7 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         if alone and tuple(alone) != (gbps, both_gbps):
             lone = dataclasses.replace(prof, d2h_gbps=alone[0], h2d_gbps=alone[0],
                                        both_gbps=alone[1] or 2 * alone[0])
-            lone_pred = planner.predict(lone, state, step_budget=budget) if budget else planner.predict(
-                lone, min(state, lone.max_unchunked_bytes))
+            lone_pred = floor(lone)
             rows[name]["predicted_ratio_one_gpu_ceiling"] = lone_pred.ratio
             also = f" (with one GPU's ceilings {alone[0]:.1f} / both {lone.both_gbps:.1f} GB/s: {lone_pred.ratio:.3f}x)"
         print(f"planner {name}: floor {pred.ratio:.3f}x of the marked iteration "
