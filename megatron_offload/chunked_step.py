@@ -7,9 +7,11 @@ flight are resident. Two facts make it exact:
 * Adam's update is elementwise per tensor. torch's `_foreach_*` kernels and TE/Apex's
   multi-tensor-apply batch tensors for speed, but no element's result depends on which other
   tensors share its batch. So stepping a subset gives each tensor the same bits.
-* Every Adam implementation Megatron uses skips a parameter whose `.grad` is None (no state
+* Every Adam implementation Megatron uses skips a parameter whose gradient is None (no state
   update, no per-parameter `step` increment). A piece is stepped by hiding the other parameters'
-  gradients for one `step()` call.
+  gradients for one `step()` call. The gradient is `.grad`, or `.decoupled_grad` where
+  megatron-core's precision-aware optimizer hands TE FusedAdam its gradients
+  (`use_decoupled_grad=True`: TE then ignores `.grad`); both are hidden.
 
 Bookkeeping that must advance once per step, not once per piece: torch keeps `step` per parameter
 (each parameter is stepped exactly once, so it advances once); TE/Apex FusedAdam keep
@@ -25,6 +27,9 @@ from typing import Callable, Dict, List, Sequence
 import torch
 
 _MISSING = object()
+# Where an optimizer reads a parameter's gradient (TE FusedAdam with use_decoupled_grad reads the
+# second, and only that one).
+GRAD_ATTRIBUTES = ("grad", "decoupled_grad")
 
 
 def _all_params(inner: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -44,20 +49,25 @@ def step_in_pieces(
         resident), `after_piece(k)` after (copy it out, copy masters to model params).
     """
     params = _all_params(inner)
-    grads: Dict[int, torch.Tensor] = {id(p): p.grad for p in params}
+    # Each parameter's gradients, by attribute (only the attributes it has).
+    grads: Dict[int, Dict[str, torch.Tensor]] = {
+        id(p): {name: getattr(p, name) for name in GRAD_ATTRIBUTES if hasattr(p, name)} for p in params}
     member_of: Dict[int, int] = {}
     for k, piece in enumerate(pieces):
         for p in piece:
             assert id(p) not in member_of, "a parameter in two pieces would be stepped twice"
             member_of[id(p)] = k
-    missing = [i for i, p in enumerate(params) if p.grad is not None and id(p) not in member_of]
+    missing = [i for i, p in enumerate(params)
+               if any(g is not None for g in grads[id(p)].values()) and id(p) not in member_of]
     assert not missing, f"parameters with gradients in no piece: {missing[:5]}"
     group_steps = [_snapshot(group.get("step", _MISSING)) for group in inner.param_groups]
     try:
         for k in range(len(pieces)):
             before_piece(k)
             for p in params:
-                p.grad = grads[id(p)] if member_of.get(id(p)) == k else None
+                stepped = member_of.get(id(p)) == k
+                for name, grad in grads[id(p)].items():
+                    setattr(p, name, grad if stepped else None)
             if k:
                 for group, step in zip(inner.param_groups, group_steps):
                     if step is _MISSING:
@@ -68,7 +78,8 @@ def step_in_pieces(
             after_piece(k)
     finally:
         for p in params:
-            p.grad = grads[id(p)]
+            for name, grad in grads[id(p)].items():
+                setattr(p, name, grad)
 
 
 def complete_pieces(inner: torch.optim.Optimizer, pieces: Sequence[Sequence[torch.Tensor]]):

@@ -50,14 +50,26 @@ class FakeDistOpt:
 
 
 class TEFusedAdamStandIn(torch.optim.Optimizer):
+    """TE FusedAdam with master weights, as megatron-core's precision-aware optimizer builds it.
+
+    `lazy_state=True` is TE's own behaviour (transformer_engine/pytorch/optimizers/fused_adam.py):
+    `step()` creates every state tensor (moments and master) of every parameter whose state is
+    empty, whether or not it has a gradient, and with `use_decoupled_grad=True` (what megatron-core
+    passes) it reads `p.decoupled_grad`, never `p.grad`. The default (`lazy_state=False`) creates
+    the masters up front and only the moments lazily."""
+
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 moment_dtype=torch.float32, store_param_remainders=False):
+                 moment_dtype=torch.float32, store_param_remainders=False, lazy_state=False,
+                 use_decoupled_grad=False):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.moment_dtype = moment_dtype
         self.store_param_remainders = store_param_remainders
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._init_master(p)
+        self.lazy_state = lazy_state
+        self.use_decoupled_grad = use_decoupled_grad
+        if not lazy_state:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self._init_master(p)
 
     def _init_master(self, p):
         state = self.state[p]
@@ -91,13 +103,16 @@ class TEFusedAdamStandIn(torch.optim.Optimizer):
             t = group["step"]
             b1, b2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
                 state = self.state[p]
+                if self.lazy_state and len(state) == 0:  # TE: before looking at the gradient
+                    self._init_master(p)
+                grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+                if grad is None:
+                    continue
                 if "exp_avg" not in state:
                     state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype)
                     state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype)
-                g = p.grad.float()
+                g = grad.float()
                 m = state["exp_avg"].float().mul_(b1).add_(g, alpha=1 - b1)
                 v = state["exp_avg_sq"].float().mul_(b2).addcmul_(g, g, value=1 - b2)
                 state["exp_avg"].copy_(m)
@@ -113,7 +128,7 @@ class FakePrecisionAwareDistOpt:
     """DistributedOptimizer layout with --use-precision-aware-optimizer (TE FusedAdam masters)."""
 
     def __init__(self, numels=(300, 1000, 4096), store_param_remainders=False,
-                 moment_dtype=torch.float32, seed=0):
+                 moment_dtype=torch.float32, seed=0, te_lazy_decoupled=False):
         g = torch.Generator().manual_seed(seed)
         self.bf16_param_buffer = torch.randn(sum(numels), generator=g).to(torch.bfloat16)
         shards, off = [], 0
@@ -126,13 +141,22 @@ class FakePrecisionAwareDistOpt:
         self.optimizer = TEFusedAdamStandIn(
             [{"params": shards}], moment_dtype=moment_dtype,
             store_param_remainders=store_param_remainders,
+            lazy_state=te_lazy_decoupled, use_decoupled_grad=te_lazy_decoupled,
         )
         self.is_stub_optimizer = False
 
     def all_params(self):
         return self.optimizer.param_groups[0]["params"]
 
+    def hand_over_grads(self):
+        """Where megatron-core puts the main grads for a decoupled-grad optimizer: `.decoupled_grad`
+        (and `.grad` stays None)."""
+        if self.optimizer.use_decoupled_grad:
+            for p in self.all_params():
+                p.decoupled_grad, p.grad = p.grad, None
+
     def step(self):
+        self.hand_over_grads()
         self.optimizer.step()
 
 

@@ -63,6 +63,25 @@ def test_te_fusedadam_stand_in_in_pieces_advances_the_group_step_once(remainders
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+@pytest.mark.parametrize("remainders", [False, True])
+def test_te_with_decoupled_gradients_in_pieces_steps_each_parameter_once(remainders):
+    """megatron-core's precision-aware optimizer gives TE FusedAdam its gradients in
+    `.decoupled_grad` (TE then ignores `.grad`): hiding only `.grad` stepped every parameter in
+    every piece."""
+    kw = dict(store_param_remainders=remainders, te_lazy_decoupled=True,
+              moment_dtype=torch.bfloat16 if remainders else torch.float32)
+    ref, opt = FakePrecisionAwareDistOpt(**kw), FakePrecisionAwareDistOpt(**kw)
+    for step in range(4):
+        for o in (ref, opt):
+            make_grads(o.all_params(), step)
+            o.hand_over_grads()
+        ref.optimizer.step()
+        step_pieces(opt, 3, seed=step)
+        assert opt.optimizer.param_groups[0]["step"] == ref.optimizer.param_groups[0]["step"] == step + 1
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        assert all(p.decoupled_grad is not None and p.grad is None for p in opt.all_params())  # restored
+
+
 def test_gradients_are_restored_even_when_a_piece_fails():
     opt = FakeDistOpt()
     make_grads(opt.all_params(), 0)
@@ -188,6 +207,7 @@ class MegatronShapedPrecisionAware(FakePrecisionAwareDistOpt):
         self.copies += 1
 
     def step_with_ready_grads(self):
+        self.hand_over_grads()
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         return True
@@ -207,6 +227,10 @@ CHUNKED_FACTORIES = {
     "te-fusedadam-lazy-moments": lambda: MegatronShapedPrecisionAware(numels=MANY),
     "te-fusedadam-int16-remainders": lambda: MegatronShapedPrecisionAware(
         numels=MANY, store_param_remainders=True, moment_dtype=torch.bfloat16),
+    # TE's own behaviour under megatron-core's precision-aware optimizer: all state created at the
+    # first step, gradients in `.decoupled_grad`.
+    "te-fusedadam-lazy-state-decoupled-grads": lambda: MegatronShapedPrecisionAware(
+        numels=MANY, te_lazy_decoupled=True),
 }
 
 
