@@ -27,6 +27,7 @@ works on CPU "devices" too (copies are then synchronous), which is how the CPU t
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 from typing import List, Optional
 
@@ -66,6 +67,17 @@ def slot_bytes(largest_chunk: int) -> int:
     if slot >= 4 * LARGE_SLOT_GRANULE:
         slot = align_up(slot, LARGE_SLOT_GRANULE)
     return slot
+
+
+def _te_like(inner) -> bool:
+    """TE FusedAdam (or anything with its state API): `initialize_state` and `name_to_dtype_map`."""
+    return callable(getattr(inner, "initialize_state", None)) and isinstance(
+        getattr(inner, "name_to_dtype_map", None), dict)
+
+
+def _te_remainders(inner, param) -> bool:
+    """Whether TE keeps `param`'s master as int16 remainders (its own rule in `step`)."""
+    return bool(getattr(inner, "store_param_remainders", False)) and param.dtype == torch.bfloat16
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -204,6 +216,9 @@ class OptimizerStateOffloader:
         self.discovery = Discovery([], [])
         self.stats = streams.stats
         self._signature = None
+        # Fills a parameter's state placeholders with the optimizer's own initial values
+        # (TE FusedAdam's `initialize_state`; None: torch Adam's zeros). See `materialize_state`.
+        self._initial_state = None
 
     def state_signature(self):
         """Cheap fingerprint of the inner optimizer's state layout: changes when the first step
@@ -241,8 +256,8 @@ class OptimizerStateOffloader:
         managed, self.kept = self._split_by_fraction(self.discovery.tensors)
         for st in self.kept:
             if st.owner is not None:
-                # A placeholder the fraction keeps on the GPU: create its zeros there now.
-                self._place(st, torch.zeros(st.tensor.shape, dtype=st.tensor.dtype, device=self.device))
+                # A placeholder the fraction keeps on the GPU: create its value there now.
+                self._place(st, self._initial_value(st))
                 continue
             # Packed by an earlier discovery (the split moves when tensors appear or are
             # replaced): a view into an old chunk buffer would keep all of that buffer alive.
@@ -348,8 +363,10 @@ class OptimizerStateOffloader:
         """Create the Adam state that the first step would create lazily, exactly as torch
         Adam/AdamW would (zero moments, step 0), so that it is packed and sent out before the
         first forward instead of being allocated among step-1 activations and packed there.
-        Only for torch Adam/AdamW (TE/Apex keep their own lazy initialisation). Returns the number
-        of parameters given state.
+        For torch Adam/AdamW, and for TE FusedAdam (which creates every state tensor of every
+        parameter, masters included, in its first `step()`): there the placeholders are filled by
+        TE's own `initialize_state`, one parameter at a time as its chunk is packed. Apex keeps
+        its lazy initialisation. Returns the number of parameters given state.
 
         The moments are *placeholders* (meta tensors of the right shape and dtype): `refresh`
         creates their zeros inside the chunk that holds them, one chunk at a time, and puts the
@@ -358,11 +375,11 @@ class OptimizerStateOffloader:
         10.3 GiB at most in the iterations). Call `refresh` right after: the optimizer cannot
         step on placeholders."""
         inner = getattr(self.dist_opt, "optimizer", None)
-        if (
-            inner is None
-            or getattr(self.dist_opt, "is_stub_optimizer", False)
-            or type(inner) not in (torch.optim.Adam, torch.optim.AdamW)
-        ):
+        if inner is None or getattr(self.dist_opt, "is_stub_optimizer", False):
+            return 0
+        if _te_like(inner):
+            return self._materialize_te_state(inner)
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
             return 0
         created = 0
         for group in inner.param_groups:
@@ -381,6 +398,47 @@ class OptimizerStateOffloader:
                 created += 1
         return created
 
+    def _materialize_te_state(self, inner) -> int:
+        """Placeholders for the state TE FusedAdam's `initialize_state` creates (exp_avg and
+        exp_avg_sq in their configured dtypes, the master in fp32 or as int16 remainders), and
+        the hook that fills them with TE's own values when packed. fp8 moments (Float8Tensor
+        objects, not plain tensors) are left to TE."""
+        dtypes = inner.name_to_dtype_map
+        if any(dtypes.get(k) not in (torch.float32, torch.bfloat16, torch.float16)
+               for k in ("exp_avg", "exp_avg_sq")):
+            return 0
+        keys = ["exp_avg", "exp_avg_sq"] + (["master_param"] if getattr(inner, "master_weights", False) else [])
+        created = 0
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if inner.state.get(p):
+                    continue
+                state = inner.state[p]
+                for key in keys:
+                    dtype = torch.int16 if key == "master_param" and _te_remainders(inner, p) else dtypes[key]
+                    state[key] = torch.empty(p.shape, dtype=dtype, device="meta")
+                created += 1
+        if created:
+            # TE's signature has changed: (param) in older releases, (param, store_param_remainders)
+            # in newer ones (megatron-core's own init_state_fn calls it with one argument).
+            takes_remainders = len(inspect.signature(inner.initialize_state).parameters) >= 2
+            self._initial_state = (
+                (lambda param: inner.initialize_state(param, _te_remainders(inner, param)))
+                if takes_remainders else inner.initialize_state)
+        return created
+
+    def _initial_value(self, st: StateTensor) -> torch.Tensor:
+        """The value a placeholder stands for: TE's own initial state (created for the whole
+        parameter on first use: the others of it are then real tensors in the state dict, taken
+        when their chunks are packed), else torch Adam's zeros."""
+        current = st.owner[st.key]
+        if current.is_meta and self._initial_state is not None:
+            self._initial_state(st.param)
+            current = st.owner[st.key]
+        if current.is_meta:
+            return torch.zeros(current.shape, dtype=current.dtype, device=self.device)
+        return current
+
     def _pack(self, chunk: Chunk) -> None:
         """Copy the chunk's tensors into one new buffer and point them there."""
         chunk.buffer = torch.empty(chunk.gpu_nbytes, dtype=torch.uint8, device=self.device)
@@ -388,7 +446,11 @@ class OptimizerStateOffloader:
             t = st.tensor
             view = chunk.buffer[offset : offset + st.nbytes].view(t.dtype).view(t.shape)
             if st.owner is not None:
-                view.zero_()
+                current = st.owner[st.key]
+                if current.is_meta and self._initial_state is None:
+                    view.zero_()  # torch Adam's zeros, created in place
+                else:
+                    view.copy_(self._initial_value(st))
                 self._place(st, view)
                 continue
             view.copy_(t.detach())

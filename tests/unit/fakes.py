@@ -66,10 +66,29 @@ class TEFusedAdamStandIn(torch.optim.Optimizer):
         self.store_param_remainders = store_param_remainders
         self.lazy_state = lazy_state
         self.use_decoupled_grad = use_decoupled_grad
+        # TE's state API, as megatron-offload uses it (`materialize_state`).
+        self.master_weights = True
+        self.name_to_dtype_map = {"exp_avg": moment_dtype, "exp_avg_sq": moment_dtype,
+                                  "master_param": torch.float32}
+        self._scales = {}
         if not lazy_state:
             for group in self.param_groups:
                 for p in group["params"]:
                     self._init_master(p)
+
+    def initialize_state(self, param, store_param_remainders):
+        """TE's: zero moments, the master as the param in fp32 (or zero int16 remainders), and
+        a scale of one for every state that is not fp32."""
+        state = self.state[param]
+        state["exp_avg"] = torch.zeros(param.shape, dtype=self.moment_dtype)
+        state["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.moment_dtype)
+        if store_param_remainders:
+            state["master_param"] = torch.zeros(param.shape, dtype=torch.int16)
+        else:
+            state["master_param"] = param.detach().float().clone()
+        for name, value in state.items():
+            if value.dtype != torch.float32 and not (name == "master_param" and store_param_remainders):
+                self._scales.setdefault(param, {})[name] = torch.ones([1])
 
     def _init_master(self, p):
         state = self.state[p]
@@ -105,7 +124,7 @@ class TEFusedAdamStandIn(torch.optim.Optimizer):
             for p in group["params"]:
                 state = self.state[p]
                 if self.lazy_state and len(state) == 0:  # TE: before looking at the gradient
-                    self._init_master(p)
+                    self.initialize_state(p, self.store_param_remainders and p.dtype == torch.bfloat16)
                 grad = getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
                 if grad is None:
                     continue

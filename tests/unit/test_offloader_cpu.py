@@ -112,8 +112,8 @@ def test_materialized_state_is_identical_to_lazy_and_packed_once():
     assert refreshes == []
 
 
-def test_materialize_leaves_other_optimizers_lazy():
-    opt = FakePrecisionAwareDistOpt()
+def test_materialize_leaves_existing_state_alone():
+    opt = FakePrecisionAwareDistOpt()  # masters created up front: TE does not initialize it again
     coord = make_coord()
     off = coord.add_optimizer(opt)
     assert off.materialize_state() == 0
@@ -836,3 +836,65 @@ def test_large_slots_tile_the_activations_that_fill_their_holes():
     # Smaller slots keep the allocator's own granularity.
     assert slot_bytes(27 * MiB + 1) == 28 * MiB
     assert slot_bytes(5000) == 5120
+
+
+@pytest.mark.parametrize("remainders", [False, True])
+def test_te_state_is_created_by_te_chunk_by_chunk_before_the_first_step(remainders, monkeypatch):
+    """TE FusedAdam creates every state tensor of every parameter (masters too) in its first
+    step: the whole state at once, among that iteration's activations. The offloader creates it
+    before the first forward instead, with TE's own `initialize_state`, one chunk's parameters at a
+    time, and training is bit-identical to TE's lazy creation."""
+    kw = dict(numels=(300, 1000, 4096, 512, 2048, 700), store_param_remainders=remainders,
+              moment_dtype=torch.bfloat16 if remainders else torch.float32, te_lazy_decoupled=True)
+    ref, opt = FakePrecisionAwareDistOpt(**kw), FakePrecisionAwareDistOpt(**kw)
+    coord = make_coord(chunk_bytes=8192)
+    off = coord.add_optimizer(opt)
+    live, initialize = [], opt.optimizer.initialize_state
+
+    def watched(param, store_param_remainders):
+        initialize(param, store_param_remainders)
+        live.append(sum(t.numel() * t.element_size() for s in opt.optimizer.state.values()
+                        for t in s.values() if isinstance(t, torch.Tensor) and not t.is_meta
+                        and t.untyped_storage().nbytes() > 0))
+    monkeypatch.setattr(opt.optimizer, "initialize_state", watched)
+    coord.offload_existing_state()
+    assert len(live) == len(opt.all_params())  # each parameter initialized once, by TE
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes  # all of it sent out
+    # Never the whole state at once: at most the chunk being packed and one parameter's state.
+    largest = max(sum(st.nbytes for c in off.chunks for st in c.tensors if st.param is p) for p in opt.all_params())
+    assert max(live) <= off.chunks[0].gpu_nbytes + largest < off.state_bytes, (live, largest)
+    assert all(k in opt.optimizer.state[p] for p in opt.all_params() for k in ("exp_avg", "master_param"))
+    for step in range(4):
+        for o, c in ((ref, None), (opt, coord)):
+            if c is not None:
+                c.forward_begin(True)
+                c.forward_end()
+                c.grads_finalizing()
+            make_grads(o.all_params(), step)
+            o.step()
+            if c is not None:
+                c.optimizer_step_done()
+        assert_bitwise_equal(snapshot(ref), resident(opt, coord))
+    # TE's per-state scales were created as its lazy initialisation creates them.
+    assert [sorted(ref.optimizer._scales.get(p, {})) for p in ref.all_params()] == \
+        [sorted(opt.optimizer._scales.get(p, {})) for p in opt.all_params()]
+
+
+def resident(opt, coord):
+    for off in coord.offloaders:
+        coord.before_state_access(off, will_modify=False)
+    try:
+        return snapshot(opt)
+    finally:
+        for off in coord.offloaders:
+            coord.after_state_access(off, modified=False)
+
+
+def test_te_releases_whose_initialize_state_takes_only_the_param_are_called_so():
+    opt = FakePrecisionAwareDistOpt(te_lazy_decoupled=True)
+    seen, initialize = [], opt.optimizer.initialize_state
+    opt.optimizer.initialize_state = lambda param: (seen.append(param), initialize(param, False))
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    assert len(seen) == len(opt.all_params())
