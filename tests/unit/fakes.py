@@ -194,6 +194,17 @@ def snapshot(dist_opt):
     return out
 
 
+def resident_snapshot(opt, coord):
+    """snapshot() read as a checkpoint reader would (part of the state may be off the GPU)."""
+    for off in coord.offloaders:
+        coord.before_state_access(off, will_modify=False)
+    try:
+        return snapshot(opt)
+    finally:
+        for off in coord.offloaders:
+            coord.after_state_access(off, modified=False)
+
+
 def assert_bitwise_equal(a, b):
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     for k in a:

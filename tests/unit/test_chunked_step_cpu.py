@@ -16,7 +16,8 @@ from megatron_offload.chunked_step import (
     step_in_pieces,
 )
 
-from fakes import FakeDistOpt, FakePrecisionAwareDistOpt, assert_bitwise_equal, make_grads, snapshot
+from fakes import (FakeDistOpt, FakePrecisionAwareDistOpt, assert_bitwise_equal, make_grads, resident_snapshot,
+                   snapshot)
 
 
 def random_pieces(params, n, seed):
@@ -232,18 +233,6 @@ CHUNKED_FACTORIES = {
     "te-fusedadam-lazy-state-decoupled-grads": lambda: MegatronShapedPrecisionAware(
         numels=MANY, te_lazy_decoupled=True),
 }
-
-
-def resident_snapshot(opt, coord):
-    """snapshot() with the state brought back as a checkpoint reader would (the chunked step
-    leaves part of it off the GPU)."""
-    for off in coord.offloaders:
-        coord.before_state_access(off, will_modify=False)
-    try:
-        return snapshot(opt)
-    finally:
-        for off in coord.offloaders:
-            coord.after_state_access(off, modified=False)
 
 
 def chunked_iteration(opt, coord, step, skip=False, watch=None, level=None):

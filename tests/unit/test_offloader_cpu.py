@@ -22,6 +22,7 @@ from fakes import (
     FakePrecisionAwareDistOpt,
     assert_bitwise_equal,
     make_grads,
+    resident_snapshot,
     snapshot,
     storage_bytes,
 )
@@ -874,20 +875,11 @@ def test_te_state_is_created_by_te_chunk_by_chunk_before_the_first_step(remainde
             o.step()
             if c is not None:
                 c.optimizer_step_done()
-        assert_bitwise_equal(snapshot(ref), resident(opt, coord))
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
     # TE's per-state scales were created as its lazy initialisation creates them.
     assert [sorted(ref.optimizer._scales.get(p, {})) for p in ref.all_params()] == \
         [sorted(opt.optimizer._scales.get(p, {})) for p in opt.all_params()]
 
-
-def resident(opt, coord):
-    for off in coord.offloaders:
-        coord.before_state_access(off, will_modify=False)
-    try:
-        return snapshot(opt)
-    finally:
-        for off in coord.offloaders:
-            coord.after_state_access(off, modified=False)
 
 
 def test_te_releases_whose_initialize_state_takes_only_the_param_are_called_so():
