@@ -34,44 +34,58 @@ def _time_ms(fn, repeat):
     return statistics.median(times)
 
 
+def _copy_set(device, nbytes):
+    """Pinned host buffers (as megatron-offload pins them), device buffers and one stream per
+    direction on `device`, for the copies that `_enqueue` times."""
+    with torch.cuda.device(device):
+        host_out, host_in = PinnedHostBuffer(nbytes), PinnedHostBuffer(nbytes)
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        h_out, h_in = host_out.view(0, src), host_in.view(0, src)
+        h_in.copy_(src)
+        return dict(device=device, hosts=(host_out, host_in), src=src, dst=dst, h_out=h_out, h_in=h_in,
+                    d2h=torch.cuda.Stream(device), h2d=torch.cuda.Stream(device))
+
+
+def _enqueue(g, kind):
+    """Enqueue copy set `g`'s D2H, H2D or both at once ("d2h", "h2d", "both") on its side
+    streams, between what the current stream did before and does after (the timing events)."""
+    with torch.cuda.device(g["device"]):
+        current = torch.cuda.current_stream()
+        names = ("d2h", "h2d") if kind == "both" else (kind,)
+        for name in names:
+            g[name].wait_stream(current)  # after the start event (both before either copy)
+        for name in names:
+            with torch.cuda.stream(g[name]):
+                if name == "d2h":
+                    g["h_out"].copy_(g["src"], non_blocking=True)
+                else:
+                    g["dst"].copy_(g["h_in"], non_blocking=True)
+        for name in names:
+            current.wait_stream(g[name])  # the end event covers every copy
+
+
+def _close(g):
+    for host in g["hosts"]:
+        host.close()
+
+
+KINDS = (("d2h", 1), ("h2d", 1), ("both", 2))  # and the bytes moved, in buffers
+
+
 def measure(sizes_gib, repeat=5):
     results = []
-    d2h_stream, h2d_stream = torch.cuda.Stream(), torch.cuda.Stream()
     for gib in sizes_gib:
         nbytes = int(gib * 2**30)
-        host_out, host_in = PinnedHostBuffer(nbytes), PinnedHostBuffer(nbytes)
-        dev_src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-        dev_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        h_out = host_out.view(0, dev_src)
-        h_in = host_in.view(0, dev_src)
-        h_in.copy_(dev_src)
-
-        def d2h():
-            h_out.copy_(dev_src, non_blocking=True)
-
-        def h2d():
-            dev_dst.copy_(h_in, non_blocking=True)
-
-        def both():
-            current = torch.cuda.current_stream()
-            for s in (d2h_stream, h2d_stream):
-                s.wait_stream(current)  # start together, after the timing event
-            with torch.cuda.stream(d2h_stream):
-                d2h()
-            with torch.cuda.stream(h2d_stream):
-                h2d()
-            current.wait_stream(d2h_stream)  # the end event covers both copies
-            current.wait_stream(h2d_stream)
-
-        row = {"gib": gib, "pinning": host_out.pinning}
-        for name, fn, moved in (("d2h", d2h, nbytes), ("h2d", h2d, nbytes), ("both", both, 2 * nbytes)):
-            ms = _time_ms(fn, repeat)
-            row[f"{name}_gbps"] = moved / ms / 1e6
-        assert torch.equal(dev_dst[:4096].cpu(), dev_src[:4096].cpu()) and torch.equal(
-            h_out[:4096], dev_src[:4096].cpu()), "copy check failed"
+        g = _copy_set(torch.cuda.current_device(), nbytes)
+        row = {"gib": gib, "pinning": g["hosts"][0].pinning}
+        for kind, factor in KINDS:
+            ms = _time_ms(lambda: _enqueue(g, kind), repeat)
+            row[f"{kind}_gbps"] = factor * nbytes / ms / 1e6
+        assert torch.equal(g["dst"][:4096].cpu(), g["src"][:4096].cpu()) and torch.equal(
+            g["h_out"][:4096], g["src"][:4096].cpu()), "copy check failed"
         results.append(row)
-        host_out.close()
-        host_in.close()
+        _close(g)
     return results
 
 
@@ -82,39 +96,19 @@ def measure_all_devices(gib, repeat=5, count=None):
     its own). Returns per-GPU GB/s, the slowest GPU's median, per direction and both at once."""
     devices = list(range(count or torch.cuda.device_count()))
     nbytes = int(gib * 2**30)
-    per = []
-    for d in devices:
-        with torch.cuda.device(d):
-            host_out, host_in = PinnedHostBuffer(nbytes), PinnedHostBuffer(nbytes)
-            src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=d)
-            dst = torch.empty(nbytes, dtype=torch.uint8, device=d)
-            h_out, h_in = host_out.view(0, src), host_in.view(0, src)
-            h_in.copy_(src)
-            per.append(dict(device=d, hosts=(host_out, host_in), src=src, dst=dst, h_out=h_out, h_in=h_in,
-                            d2h=torch.cuda.Stream(d), h2d=torch.cuda.Stream(d)))
+    per = [_copy_set(d, nbytes) for d in devices]
 
     def launch(g, kind):
         """Enqueue one timed copy set on GPU g; returns its (start, end) events."""
         with torch.cuda.device(g["device"]):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            current = torch.cuda.current_stream()
-            start.record(current)
-            names = ("d2h", "h2d") if kind == "both" else (kind,)
-            for name in names:
-                g[name].wait_stream(current)  # after the start event (both before either copy)
-            for name in names:
-                with torch.cuda.stream(g[name]):
-                    if name == "d2h":
-                        g["h_out"].copy_(g["src"], non_blocking=True)
-                    else:
-                        g["dst"].copy_(g["h_in"], non_blocking=True)
-            for name in names:
-                current.wait_stream(g[name])  # the end event covers every copy
-            end.record(current)
+            start.record()
+            _enqueue(g, kind)
+            end.record()
         return start, end
 
     row = {"gib": gib, "devices": len(devices), "pinning": per[0]["hosts"][0].pinning}
-    for kind, factor in (("d2h", 1), ("h2d", 1), ("both", 2)):
+    for kind, factor in KINDS:
         rates = {g["device"]: [] for g in per}
         for i in range(repeat + 1):  # the first round warms up
             for d in devices:
@@ -129,8 +123,7 @@ def measure_all_devices(gib, repeat=5, count=None):
         row[f"{kind}_gbps_per_device"] = medians
         row[f"{kind}_gbps"] = min(medians)
     for g in per:
-        for host in g["hosts"]:
-            host.close()
+        _close(g)
     return row
 
 
