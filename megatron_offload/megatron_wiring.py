@@ -131,6 +131,14 @@ def add_arguments(parser):
         "room for, at least three chunks. (megatron-offload)",
     )
     group.add_argument(
+        "--offload-release-cached-memory",
+        action="store_true",
+        help="Once per iteration, when the offloaded state has left the GPU, return PyTorch's "
+        "cached free memory to the device (torch.cuda.empty_cache), so that blocks left free in "
+        "odd sizes do not raise peak reserved memory over the iterations. Costs one wait of the "
+        "host for the GPU per iteration. (megatron-offload)",
+    )
+    group.add_argument(
         "--offload-copy-piece-mb",
         type=int,
         default=0,
@@ -286,6 +294,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
         chunked_step=args.offload_chunked_step,
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
+        release_cache=getattr(args, "offload_release_cached_memory", False),
         smallest_in_group=_smallest_in_data_parallel_group() if auto else None,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):

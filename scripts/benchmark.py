@@ -47,6 +47,8 @@ MODIFIERS = {
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
 }
+# Argument modifiers, appended the same way (e.g. offload@release).
+ARG_MODIFIERS = {"release": ["--offload-release-cached-memory"]}
 VARIANTS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],
@@ -114,6 +116,8 @@ def summarize(run, warmup):
         "fit_checks": [r.get("fit_checks") for r in ranks],
         "fit_check_ms": [r.get("fit_check_ms") for r in ranks],
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
+        "cache_releases": [r.get("cache_releases") for r in ranks],
+        "cache_release_ms": [r.get("cache_release_ms") for r in ranks],
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
@@ -245,13 +249,17 @@ def main(argv=None):
         variant, *mods = name.split("@")
         env = dict(env_extra)
         env.update(VARIANT_ENV.get(variant, {}))
+        extra_args = []
         for mod in mods:
-            env.update(MODIFIERS[mod])
+            if mod in ARG_MODIFIERS:
+                extra_args += ARG_MODIFIERS[mod]
+            else:
+                env.update(MODIFIERS[mod])
         iters = min(opts.iters, MAX_ITERS.get(variant, opts.iters))
         warmup = min(opts.warmup, iters // 2)
         # Same --train-iters (hence the same LR schedule and losses); stop early with --exit-interval.
         stop = ["--exit-interval", str(iters)] if iters < opts.iters else []
-        run = launch(name, base + variant_args(variant) + stop, opts.nproc, opts.out, env_extra=env)
+        run = launch(name, base + variant_args(variant) + extra_args + stop, opts.nproc, opts.out, env_extra=env)
         results[name] = summarize(run, warmup)
         results[name]["iterations_timed"] = f"{warmup + 1}-{iters}"
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter", flush=True)
@@ -283,7 +291,8 @@ def main(argv=None):
                   f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
                   f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms; free-block checks "
                   f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all), reloads deferred "
-                  f"for fit {r['reloads_deferred_for_fit'][0]}; expandable segments {r['expandable_segments']}")
+                  f"for fit {r['reloads_deferred_for_fit'][0]}; cached-memory releases {r['cache_releases'][0]} "
+                  f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); expandable segments {r['expandable_segments']}")
         print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "

@@ -75,8 +75,11 @@ CASES = {
 }
 # The chunked optimizer step (--offload-chunked-step) on the layouts where the step is the
 # small model's memory peak (PP stages) and on a chain of two DistributedOptimizers.
+# The chunked cases on two layouts also save at half time and resume, with and without the
+# plugin: a save in the middle of chunked training (state partly copied out, partly offloaded).
+CHUNKED_RESUMES = {"pp2": ("resume_offload",), "ep2-moe": ("resume_offload", "resume_plain")}
 for _name in ("pp2", "pp2-vpp", "ep2-moe"):
-    CASES[f"{_name}-chunked"] = CASES[_name]
+    CASES[f"{_name}-chunked"] = CASES[_name][:3] + (CHUNKED_RESUMES.get(_name, ()),)
 OFFLOAD = ["--offload-optimizer-states"]
 
 

@@ -890,3 +890,31 @@ def test_te_releases_whose_initialize_state_takes_only_the_param_are_called_so()
     coord.add_optimizer(opt)
     coord.offload_existing_state()
     assert len(seen) == len(opt.all_params())
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_cached_memory_released_once_per_iteration_after_the_state_left(release):
+    """--offload-release-cached-memory: one empty_cache per training iteration, at the moment the
+    last chunk is freed (not before: the blocks must be free; not in evaluation forwards)."""
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    seen = []  # (training forwards so far, all state off) at each call
+    coord = make_coord(release_cache=release, empty_cache=lambda: seen.append(
+        (coord._train_forwards, coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes)))
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    coord.release_startup_state()
+    assert seen == [(0, True)]  # the start-up release, with or without the option
+    coord.forward_begin(False)
+    coord.forward_end()
+    for step in range(4):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    # Step 0 creates no new state to free in its forward (it was sent out at start-up); every
+    # later iteration's forward frees it all once.
+    if release:
+        assert seen[1:] == [(1, True)] * 3, seen
+        assert coord.cache_releases == 3
+    else:
+        assert seen[1:] == [] and coord.cache_releases == 0
+    coord.close()
