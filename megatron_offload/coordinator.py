@@ -134,6 +134,7 @@ class OffloadCoordinator:
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
         self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
+        self._host_reads = 0  # depth of those accesses that read exposed host copies
 
         # Per-iteration counters.
         self._train_forwards = 0
@@ -718,8 +719,17 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     # Readers and writers of the state outside the step (checkpointing, RL, param reload)
     # ------------------------------------------------------------------------------------------
-    def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
+    def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool,
+                            host_copies_ok: bool = False) -> None:
+        """A reader or writer of `off`'s state outside the step is about to run. Writers and
+        readers that need the state on the GPU get it back; readers that accept CPU tensors
+        (`host_copies_ok`: a checkpoint save), and any reader nested in one, see what is off the
+        GPU on the host instead (`expose_host_copies`): no moment puts the state back at once."""
         self._suspended += 1
+        if not will_modify and (host_copies_ok or self._host_reads):
+            self._host_reads += 1
+            off.expose_host_copies()
+            return
         self._take_back(off, will_modify)
 
     def _take_back(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
@@ -758,6 +768,10 @@ class OffloadCoordinator:
 
     def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
         self._suspended -= 1
+        if self._host_reads and not modified:
+            # What was exposed stays on the host until its next reload (the save may still read
+            # it); what was resident is sent out as after any reader.
+            self._host_reads -= 1
         if modified:
             # Tensors may have been created (dummy step) or replaced (load): find them again
             # and send the loaded values out.

@@ -201,7 +201,7 @@ def iter_distributed_optimizers(optimizer) -> Iterator:
 
 
 def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
-    def wrap(name: str, writes):
+    def wrap(name: str, writes, host_copies_ok=lambda modifies: False):
         original = getattr(dist_opt, name, None)
         if original is None:
             return
@@ -209,7 +209,7 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
             modifies = writes(args, kwargs)
-            coord.before_state_access(off, will_modify=modifies)
+            coord.before_state_access(off, will_modify=modifies, host_copies_ok=host_copies_ok(modifies))
             try:
                 return original(*args, **kwargs)
             finally:
@@ -222,8 +222,11 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
     for name in STATE_WRITERS:
         wrap(name, lambda a, k: True)
     # sharded_state_dict(model_sharded_state_dict, is_loading=False, ...): a load template is
-    # filled in place by dist_checkpointing.load, so loading counts as a write.
-    wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
+    # filled in place by dist_checkpointing.load, so loading counts as a write. A save only
+    # references the tensors, which dist-checkpointing writes from the host anyway: what is off
+    # the GPU is saved from its host copy (with the chunked step, most of the state).
+    wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)),
+         host_copies_ok=lambda modifies: not modifies)
 
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"

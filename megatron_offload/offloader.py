@@ -80,6 +80,12 @@ def _te_remainders(inner, param) -> bool:
     return bool(getattr(inner, "store_param_remainders", False)) and param.dtype == torch.bfloat16
 
 
+def _view(base: torch.Tensor, st: StateTensor, offset: int) -> torch.Tensor:
+    """`st`'s bytes at `offset` of the uint8 tensor `base`, with its dtype and shape."""
+    t = st.tensor
+    return base[offset : offset + st.nbytes].view(t.dtype).view(t.shape)
+
+
 def _scalar_dtype() -> torch.dtype:
     """dtype torch Adam uses for a CPU `step` (torch.optim.optimizer._get_scalar_dtype)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -154,6 +160,9 @@ class Chunk:
         # The copy that must finish before the GPU storage may be freed (COPYING_OUT) or read
         # (COPYING_IN). None when no copy is in flight.
         self.ready: Optional[torch.cuda.Event] = None
+        # OFFLOADED and its state tensors point at `host` (CPU views) for a reader
+        # (`expose_host_copies`) instead of at the freed GPU buffer, until the next reload.
+        self.on_host = False
 
     @property
     def state_bytes(self) -> int:
@@ -444,7 +453,7 @@ class OptimizerStateOffloader:
         chunk.buffer = torch.empty(chunk.gpu_nbytes, dtype=torch.uint8, device=self.device)
         for st, offset in zip(chunk.tensors, chunk.offsets):
             t = st.tensor
-            view = chunk.buffer[offset : offset + st.nbytes].view(t.dtype).view(t.shape)
+            view = _view(chunk.buffer, st, offset)
             if st.owner is not None:
                 current = st.owner[st.key]
                 if current.is_meta and self._initial_state is None:
@@ -458,6 +467,32 @@ class OptimizerStateOffloader:
             # the old storage is released once nothing else refers to it. A tensor that was a view
             # into someone else's storage no longer is: freeing the chunk cannot touch neighbours.
             t.data = view
+
+    @staticmethod
+    def _point_at(chunk: Chunk, base: torch.Tensor) -> None:
+        """Point every state tensor of `chunk` at its bytes in `base` (the GPU buffer or the host
+        copy). `.data` keeps each object, so every reference to it follows."""
+        for st, offset in zip(chunk.tensors, chunk.offsets):
+            st.tensor.data = _view(base, st, offset)
+
+    def expose_host_copies(self) -> int:
+        """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
+        at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
+        checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
+        until the chunk is next reloaded (`start_copy_in` points them back at the GPU), so a save
+        that reads them after the reader returned (dist-checkpointing writes after
+        `sharded_state_dict`) still finds them. Returns the number of chunks exposed."""
+        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host]
+        if not chunks:
+            return 0
+        if self.device.type == "cuda":
+            # Why: the host is about to read the copies itself. The compute stream waited for
+            # them before the chunks were freed; the host never did.
+            self.streams.d2h.synchronize()
+        for chunk in chunks:
+            self._point_at(chunk, chunk.host)
+            chunk.on_host = True
+        return len(chunks)
 
     @staticmethod
     def _place(st: StateTensor, tensor: torch.Tensor) -> None:
@@ -561,6 +596,9 @@ class OptimizerStateOffloader:
             for chunk in chunks:
                 assert chunk.state is ChunkState.OFFLOADED, chunk
                 chunk.buffer.untyped_storage().resize_(chunk.gpu_nbytes)
+                if chunk.on_host:  # a reader saw it on the host (expose_host_copies): back here
+                    self._point_at(chunk, chunk.buffer)
+                    chunk.on_host = False
         with s.on_h2d() as stream:
             # Why: the new storage may be memory the compute stream freed a moment ago (on the
             # host) but whose last reader is still queued on the GPU.

@@ -727,14 +727,19 @@ def test_evaluation_forwards_do_not_count_as_microbatches():
     assert coord.phase is Phase.FREEING
 
 
-def test_wrapped_checkpoint_methods_see_resident_state_and_resend_it():
+def test_a_save_reads_offloaded_state_from_the_host_and_a_load_brings_it_back():
+    """A save (sharded_state_dict, not loading) sees what is off the GPU on the host: nothing is
+    reloaded, the values are the state's, and they stay readable after the call returns (the
+    checkpoint is written afterwards); the next reload points the tensors back at the GPU. A load
+    template counts as a write: the state comes back and what is loaded is sent out again."""
     from megatron_offload.megatron_wiring import _wrap_state_access
 
     opt = FakeDistOpt()
-    seen = []
+    saved = {}
 
     def sharded_state_dict(model_sharded_state_dict, is_loading=False):
-        seen.append(all(storage_bytes(st.tensor) > 0 for st in off.discovery.tensors))
+        if not is_loading:
+            saved.update(snapshot(opt))
         return {"state": {i: dict(s) for i, s in enumerate(opt.optimizer.state.values())}}
 
     def load_state_dict(state_dict):
@@ -748,12 +753,17 @@ def test_wrapped_checkpoint_methods_see_resident_state_and_resend_it():
     _wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     one_iteration(opt, coord, 0)
+    expected = snapshot(opt)  # resident right after the step
     coord.forward_begin(True)
     coord.forward_end()  # everything off the GPU, as between two microbatches
     opt.sharded_state_dict({}, False)  # a save
-    assert seen == [True]
-    assert coord.bytes_in(ChunkState.COPYING_OUT) == coord.gpu_bytes  # freeable again, no new D2H
+    assert_bitwise_equal(saved, expected)
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes  # nothing came back
+    assert all(c.on_host and storage_bytes(c.buffer) == 0 for c in off.chunks)
+    assert_bitwise_equal(snapshot(opt), expected)  # still readable after the call
     opt.sharded_state_dict({}, is_loading=True)  # a load template: counts as a write
+    assert not any(c.on_host for c in off.chunks)
+    assert all(storage_bytes(st.tensor) == storage_bytes(c.buffer) > 0 for c in off.chunks for st in c.tensors)
     opt.load_state_dict({})
     replaced = [opt.optimizer.state[p]["exp_avg"] for p in opt.all_params()]
     assert {id(t) for t in replaced} <= {id(st.tensor) for st in off.discovery.tensors}
