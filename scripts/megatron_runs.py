@@ -141,6 +141,23 @@ def run_losses(run):
     return [it["loss"] for it in run["ranks"][-1]["iterations"]]
 
 
+def save_growth(rank_record):
+    """GPU memory a rank's checkpoint saves allocated above what was allocated before them."""
+    return max((sv["max_allocated"] - sv["allocated_before"] for sv in rank_record.get("saves", [])), default=None)
+
+
+def save_growth_check(plain_rank, offload_rank):
+    """(ok, detail): the offload run's save reads the state from the host copies (issue 4 item 3),
+    so it allocates no more than the run without offloading (whose state is on the GPU anyway)
+    plus a quarter of the state: bringing the state back would cost all of it."""
+    grew_plain, grew = save_growth(plain_rank), save_growth(offload_rank)
+    state = offload_rank.get("offloaded_bytes", 0)
+    ok = grew is not None and grew_plain is not None and state > 0 and grew <= grew_plain + state // 4
+    detail = (f"save +{(grew or 0) / 2**20:.0f} MiB (without offloading +{(grew_plain or 0) / 2**20:.0f} MiB; "
+              f"state {state / 2**20:.0f} MiB)")
+    return ok, detail
+
+
 def run_peak(rank_record, key="max_reserved", first=0):
     """A rank's peak over iterations[first:] (plus the start-up peak when first == 0)."""
     values = [it[key] for it in rank_record["iterations"][first:]]

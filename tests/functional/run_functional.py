@@ -21,7 +21,7 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from megatron_runs import launch, model_args, run_losses as losses, run_peak  # noqa: E402
+from megatron_runs import launch, model_args, run_losses as losses, run_peak, save_growth_check  # noqa: E402
 
 
 def peak_reserved(run):
@@ -86,6 +86,9 @@ def main(argv=None):
             check(f"offload: rank {r} checkpoint save stays within training peak + state",
                   saves and save_peak <= training_peak + off_bytes,
                   f"(save peak {save_peak / 2**30:.2f} GiB, training peak {training_peak / 2**30:.2f} GiB)")
+            if "baseline" in runs:
+                ok, detail = save_growth_check(b["ranks"][r], o["ranks"][r])
+                check(f"offload: rank {r} checkpoint save brings no offloaded state back", ok, f"({detail})")
             moved = o["ranks"][r].get("cumulative_d2h_bytes", 0)
             check(f"offload: rank {r} state actually moved", off_bytes > 0 and moved >= off_bytes * (opts.iters - 1),
                   f"(d2h {moved / 2**30:.2f} GiB over the run)")

@@ -38,7 +38,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import megatron_runs  # noqa: E402
-from megatron_runs import model_args, run_losses as losses, run_peak  # noqa: E402
+from megatron_runs import model_args, run_losses as losses, run_peak, save_growth_check  # noqa: E402
 
 # Swapped for megatron_runs.replay / replay_failure by --from-records.
 launch = megatron_runs.launch
@@ -176,6 +176,8 @@ def run_case(name, iters, out, slots):
               off > 0 and moved >= off * (iters - skipped_r - 1), f"{moved / max(off, 1):.0f} x the state")
         rb, ro = run_peak(pr), run_peak(orr)
         check(f"rank {r} peak reserved lower", ro < rb, f"{rb / 2**30:.2f} -> {ro / 2**30:.2f} GiB")
+        if ckpt_runs:
+            check(f"rank {r} checkpoint save brings no offloaded state back", *save_growth_check(pr, orr))
 
     def resumed(kind, source, with_offload, extra_args=()):
         args = base + ["--load", ck(source), "--ckpt-step", str(half), *extra_args] + (
