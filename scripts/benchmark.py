@@ -48,7 +48,8 @@ MODIFIERS = {
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
 }
 # Argument modifiers, appended the same way (e.g. offload@release).
-ARG_MODIFIERS = {"release": ["--offload-release-cached-memory"]}
+ARG_MODIFIERS = {"release": ["--offload-release-cached-memory", "on"],
+                 "norelease": ["--offload-release-cached-memory", "off"]}
 VARIANTS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],
