@@ -132,14 +132,11 @@ def add_arguments(parser):
     )
     group.add_argument(
         "--offload-release-cached-memory",
-        choices=("auto", "on", "off"),
-        default="auto",
+        action="store_true",
         help="Once per iteration, when the offloaded state has left the GPU, return PyTorch's "
-        "cached free memory to the device (torch.cuda.empty_cache), so that blocks left free in "
-        "odd sizes do not raise peak reserved memory over the iterations. Costs one wait of the "
-        "host for the GPU per iteration (~1.5 %% of R1's step). auto: on when the whole state is "
-        "offloaded around an unchunked step (the mode whose point is memory), off with "
-        "--offload-state-fraction or --offload-chunked-step. (megatron-offload)",
+        "cached free memory to the device (torch.cuda.empty_cache). Experimental: on R1 it stopped "
+        "one rank's reserved memory creeping (+10 ms per step), on a small model it raised the "
+        "peak (each iteration maps its memory anew). (megatron-offload)",
     )
     group.add_argument(
         "--offload-copy-piece-mb",
@@ -300,7 +297,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
         chunked_step=args.offload_chunked_step,
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
-        release_cache=release_cached_memory(args),
+        release_cache=args.offload_release_cached_memory,
         smallest_in_group=_smallest_in_data_parallel_group() if auto else None,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
@@ -329,18 +326,6 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         _print(_allocator_note)
     coordinator = coord
     return coord
-
-
-def release_cached_memory(args) -> bool:
-    """--offload-release-cached-memory: `auto` turns it on where the point of offloading is the
-    memory (the whole state, unchunked step: measured on R1, without it one rank's peak reserved
-    crept from 30.26 to 31.51 GiB over 14 iterations, with it it stayed within 30.3-31.0 GiB, for
-    +10 ms per 737 ms step). The automatic fraction's point is speed (and what it keeps resident
-    leaves fewer odd-sized holes), the chunked step's peak is the step itself."""
-    choice = getattr(args, "offload_release_cached_memory", "auto")
-    if choice != "auto":
-        return choice == "on"
-    return args.offload_state_fraction == 1.0 and not args.offload_chunked_step
 
 
 def _smallest_in_data_parallel_group():

@@ -48,8 +48,7 @@ MODIFIERS = {
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
 }
 # Argument modifiers, appended the same way (e.g. offload@release).
-ARG_MODIFIERS = {"release": ["--offload-release-cached-memory", "on"],
-                 "norelease": ["--offload-release-cached-memory", "off"]}
+ARG_MODIFIERS = {"release": ["--offload-release-cached-memory"]}
 VARIANTS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],

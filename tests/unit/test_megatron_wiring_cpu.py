@@ -225,20 +225,9 @@ def test_chunked_step_flags():
         megatron_wiring.validate_args(negative)
 
 
-@pytest.mark.parametrize("argv, expected", [
-    ([], True),
-    (["--offload-state-fraction", "0.5"], False),
-    (["--offload-state-fraction", "auto"], False),
-    (["--offload-chunked-step"], False),
-    (["--offload-chunked-step", "--offload-release-cached-memory", "on"], True),
-    (["--offload-release-cached-memory", "off"], False),
-])
-def test_cached_memory_release_on_where_offloading_is_for_memory(argv, expected):
-    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", *argv])
-    megatron_wiring.validate_args(a)
-    assert megatron_wiring.release_cached_memory(a) is expected
-    with pytest.raises(SystemExit):
-        parse(["--offload-release-cached-memory", "sometimes"])
+def test_cached_memory_release_is_opt_in():
+    assert parse([]).offload_release_cached_memory is False
+    assert parse(["--offload-release-cached-memory"]).offload_release_cached_memory is True
 
 
 def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatch):
