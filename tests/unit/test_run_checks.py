@@ -28,3 +28,12 @@ def test_a_save_that_brings_the_state_back_fails():
 def test_no_save_recorded_fails():
     ok, _ = save_growth_check(rank(10), {"saves": [], "offloaded_bytes": 256 * MiB})
     assert not ok
+
+
+def test_offloaded_at_save_is_the_least_over_the_saves():
+    from megatron_runs import offloaded_at_save
+
+    saves = [{"offloaded_before": 300 * MiB}, {"offloaded_before": 0}]
+    assert offloaded_at_save({"saves": saves}) == 0
+    assert offloaded_at_save({"saves": saves[:1]}) == 300 * MiB
+    assert offloaded_at_save({"saves": []}) == 0
