@@ -127,6 +127,16 @@ def distributed_optimizers(opt):
         yield opt
 
 
+def _offloaded_bytes_now():
+    """GPU bytes of megatron-offload's chunks that are off the GPU right now (0 without it)."""
+    try:
+        from megatron_offload import ChunkState, megatron_wiring
+    except ImportError:
+        return 0
+    coord = megatron_wiring.coordinator
+    return coord.bytes_in(ChunkState.OFFLOADED) if coord is not None else 0
+
+
 def write_gpu_timeline(profiler, path):
     """The profiled iteration's GPU activity, compactly: [start us, duration us, stream, kind,
     bytes or 0, name] per kernel / memcpy / memset, from the profiler's trace (what a timeline
@@ -306,9 +316,11 @@ class Recorder:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+            off_gpu = _offloaded_bytes_now()
             out = save_checkpoint(*a, **k)
             self.saves.append({"allocated_before": before, "max_allocated": torch.cuda.max_memory_allocated(),
                                "max_reserved": torch.cuda.max_memory_reserved(),
+                               "offloaded_before": off_gpu,  # state bytes off the GPU when the save began
                                "after_iteration": len(self.iterations)})
             return out
 
