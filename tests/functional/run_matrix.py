@@ -84,7 +84,7 @@ OFFLOAD = ["--offload-optimizer-states"]
 
 
 # With the automatic step budget the small models keep all their state through the step (pp2: a
-# 1.39 GiB budget for 0.27 GiB, measured), so a save would find nothing off the GPU to read from
+# 1.29 GiB budget for 0.27 GiB, measured), so a save would find nothing off the GPU to read from
 # the host: the checkpointed chunked cases hold at most 64 MiB during the step.
 SMALL_STEP_BUDGET = ["--offload-step-budget-mb", "64"]
 
