@@ -153,9 +153,9 @@ def save_growth_check(plain_rank, offload_rank):
     grew_plain, grew = save_growth(plain_rank), save_growth(offload_rank)
     state = offload_rank.get("offloaded_bytes", 0)
     ok = grew is not None and grew_plain is not None and state > 0 and grew <= grew_plain + state // 4
-    off = max((sv.get("offloaded_before", 0) for sv in offload_rank.get("saves", [])), default=0)
+    off = offloaded_at_save(offload_rank)
     detail = (f"save +{(grew or 0) / 2**20:.0f} MiB (without offloading +{(grew_plain or 0) / 2**20:.0f} MiB; "
-              f"state {state / 2**20:.0f} MiB, of which {off / 2**20:.0f} MiB off the GPU when the save began)")
+              f"state {state / 2**20:.0f} MiB, of which at least {off / 2**20:.0f} MiB off the GPU when a save began)")
     return ok, detail
 
 
