@@ -371,6 +371,7 @@ class OffloadCoordinator:
             self._mark("fwd_begin")
         # Any forward (training or evaluation) may need the memory: start the copy-out now.
         self.start_pending_copy_out()
+        self._hide_host_copies()
         if not training:
             # Evaluation forwards need the memory too, but do not count as microbatches.
             self._free_until(0)
@@ -476,6 +477,7 @@ class OffloadCoordinator:
     def grads_finalizing(self) -> None:
         """All backwards are enqueued: reload whatever is still off (fallback trigger)."""
         self._trace("grads_finalizing")
+        self._hide_host_copies()  # (a loop that saves and steps without a forward in between)
         if self.chunked_step:
             # Only what the step's budget holds; the step loads the rest piece by piece.
             self._step_budget_now = self._step_budget()
@@ -735,6 +737,16 @@ class OffloadCoordinator:
             return
         self._take_back(off, will_modify)
 
+    def _hide_host_copies(self) -> None:
+        """A save that read state on the host (`before_state_access`) has finished writing by the
+        next forward (Megatron's save is synchronous; async save is refused): the tensors still
+        off the GPU point back at their GPU buffers before anything treats them as GPU tensors."""
+        if self._host_reads:
+            return  # still inside a reader
+        for off in self.offloaders:
+            if off.hide_host_copies():
+                self._trace(f"host_copies_hidden:{off.name}")
+
     def _take_back(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
         if off in self._copy_out_due:
             # Still resident and stepped; whoever takes it back sends it out again.
@@ -772,8 +784,8 @@ class OffloadCoordinator:
     def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
         self._suspended -= 1
         if self._host_reads and not modified:
-            # What was exposed stays on the host until its next reload (the save may still read
-            # it); what was resident is sent out as after any reader.
+            # What was exposed stays on the host until the next forward (the save may still read
+            # it: `_hide_host_copies`); what was resident is sent out as after any reader.
             self._host_reads -= 1
         if modified:
             # Tensors may have been created (dummy step) or replaced (load): find them again

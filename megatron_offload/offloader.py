@@ -161,8 +161,10 @@ class Chunk:
         # (COPYING_IN). None when no copy is in flight.
         self.ready: Optional[torch.cuda.Event] = None
         # OFFLOADED and its state tensors point at `host` (CPU views) for a reader
-        # (`expose_host_copies`) instead of at the freed GPU buffer, until the next reload.
+        # (`expose_host_copies`) instead of at the freed GPU buffer, until the next forward or
+        # reload (`hide_host_copies`, `start_copy_in`).
         self.on_host = False
+        self.gpu_views: Optional[List[torch.Tensor]] = None  # the tensors' GPU views while on_host
 
     @property
     def state_bytes(self) -> int:
@@ -479,8 +481,8 @@ class OptimizerStateOffloader:
         """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
         at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
         checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
-        until the chunk is next reloaded (`start_copy_in` points them back at the GPU), so a save
-        that reads them after the reader returned (dist-checkpointing writes after
+        until the next forward (`hide_host_copies`) or reload (`start_copy_in`), so a save that
+        reads them after the reader returned (dist-checkpointing writes after
         `sharded_state_dict`) still finds them. Returns the number of chunks exposed."""
         chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host]
         if not chunks:
@@ -490,8 +492,26 @@ class OptimizerStateOffloader:
             # them before the chunks were freed; the host never did.
             self.streams.d2h.synchronize()
         for chunk in chunks:
+            # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
+            # storage is re-allocated: keep them for `hide_host_copies`.
+            chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
             chunk.on_host = True
+        return len(chunks)
+
+    def hide_host_copies(self) -> int:
+        """Undo `expose_host_copies` for chunks still OFFLOADED: point their tensors back at the
+        (freed) GPU buffer. Called once the reader is certainly done (the next forward), because
+        code outside the step treats the state as GPU tensors even while its storage is freed:
+        `DistributedOptimizer.step` assigns each master its `.grad` (a CUDA tensor) before the
+        inner step reloads it, which fails on a CPU view (measured: EP2 with a 64 MiB chunked-step
+        budget, the first step after a save). Returns the number of chunks hidden."""
+        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if c.on_host]
+        for chunk in chunks:
+            for st, view in zip(chunk.tensors, chunk.gpu_views):
+                st.tensor.data = view
+            chunk.gpu_views = None
+            chunk.on_host = False
         return len(chunks)
 
     @staticmethod
@@ -598,6 +618,7 @@ class OptimizerStateOffloader:
                 chunk.buffer.untyped_storage().resize_(chunk.gpu_nbytes)
                 if chunk.on_host:  # a reader saw it on the host (expose_host_copies): back here
                     self._point_at(chunk, chunk.buffer)
+                    chunk.gpu_views = None
                     chunk.on_host = False
         with s.on_h2d() as stream:
             # Why: the new storage may be memory the compute stream freed a moment ago (on the

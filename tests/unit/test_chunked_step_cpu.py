@@ -17,7 +17,7 @@ from megatron_offload.chunked_step import (
 )
 
 from fakes import (FakeDistOpt, FakePrecisionAwareDistOpt, assert_bitwise_equal, make_grads, resident_snapshot,
-                   snapshot)
+                   snapshot, storage_bytes)
 
 
 def random_pieces(params, n, seed):
@@ -451,5 +451,37 @@ def test_a_save_after_a_chunked_step_reads_the_host_copies_and_training_stays_bi
         assert coord._resident_bytes() == resident  # nothing came back for the save
         assert sum(c.on_host for c in off.chunks) >= len(off.chunks) - 3
         assert_bitwise_equal(saved[-1], snapshot(ref))
+    coord.close()
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+def test_state_seen_on_the_host_by_a_save_points_back_at_the_gpu_by_the_next_forward():
+    """After a save read offloaded chunks on the host, the next iteration must find every state
+    tensor on its (freed) GPU buffer again: DistributedOptimizer.step assigns each master a CUDA
+    `.grad` before the piecewise step reloads it, which fails on a CPU view (EP2 on 2 x H200)."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+    from test_offloader_cpu import make_coord
+
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    opt.sharded_state_dict = lambda model_sd, is_loading=False: snapshot(opt)
+    coord = make_coord(chunk_bytes=2048, chunked_step=True)
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    seen = []
+
+    def on_host_at_forward_end(_):
+        offloaded = off.chunks_in(ChunkState.OFFLOADED)
+        seen.append(sum(c.on_host for c in off.chunks))
+        # A tensor of a chunk that is off the GPU is a view of the freed buffer, not of the host.
+        assert all(storage_bytes(st.tensor) == 0 for c in offloaded for st in c.tensors)
+
+    for step in range(3):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        chunked_iteration(opt, coord, step, watch=on_host_at_forward_end if step else None)
+        opt.sharded_state_dict({})
+        assert sum(c.on_host for c in off.chunks) > 0  # the save did read host copies
+    assert seen and not any(seen)
     coord.close()
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
