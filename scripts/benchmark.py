@@ -46,6 +46,9 @@ MODIFIERS = {
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
+    # No change: a second run of a variant in the same call (offload@again is compared with
+    # baseline@again), to see the run-to-run spread next to the difference being measured.
+    "again": {},
 }
 # Argument modifiers, appended the same way (e.g. offload@release).
 ARG_MODIFIERS = {"release": ["--offload-release-cached-memory"]}
