@@ -203,6 +203,42 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
     return rows
 
 
+def report(results, ceilings):
+    """Each variant against its baseline (ratios, memory saved per rank, loss equality) as a
+    table and notes; adds those figures to `results`."""
+    print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | steady max reserved GiB | "
+          "reserved saved GiB | offloaded GiB | saved / offloaded (per rank) | pinned GiB | losses == baseline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    notes = []
+    for name, r in results.items():
+        ref = reference(results, name)
+        r["reference"] = next((k for k, v in results.items() if v is ref), None)
+        ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
+        saved = (ref["max_reserved_gib"][0] - r["max_reserved_gib"][0]) if ref else float("nan")
+        frac = saved / r["offloaded_gib"][0] if r["offloaded_gib"][0] else float("nan")
+        # Per rank: the acceptance asks for every rank.
+        fracs = [(b - m) / o if ref and o else float("nan")
+                 for b, m, o in zip(ref["max_reserved_gib"] if ref else [], r["max_reserved_gib"], r["offloaded_gib"])]
+        r["saved_fraction_of_offloaded_per_rank"] = fracs
+        n = min(len(r["losses"]), len(ref["losses"])) if ref else 0
+        same = (r["losses"][:n] == ref["losses"][:n]) if ref else None
+        r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
+        if r.get("transfer") and ceilings:
+            t = r["transfer"]
+            notes.append(f"{name}: achieved D2H {t['d2h_gbps']:.1f} GB/s ({t['d2h_gbps'] / ceilings['d2h_gbps']:.0%} of "
+                  f"ceiling), H2D {t['h2d_gbps']:.1f} GB/s ({t['h2d_gbps'] / ceilings['h2d_gbps']:.0%}); exposed "
+                  f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
+                  f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms; free-block checks "
+                  f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all), reloads deferred "
+                  f"for fit {r['reloads_deferred_for_fit'][0]}; cached-memory releases {r['cache_releases'][0]} "
+                  f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); expandable segments {r['expandable_segments']}")
+        print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
+              f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
+              f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
+              f"{r['pinned_gib'][0]:.2f} | {same} |")
+    print("\n".join(notes))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="r1", choices=sorted(PRESETS))
@@ -226,6 +262,7 @@ def main(argv=None):
     opts = p.parse_args(argv)
     if opts.replan:
         done = json.load(open(opts.replan))
+        report(done["results"], done.get("ceilings"))  # (again: a benchmark cut short has no table)
         compare_with_planner(done["results"], *planner_rates(done.get("ceilings"), opts.gbps, opts.both_gbps),
                              alone=planner_rates(done.get("ceilings"), together=False))
         return
@@ -270,37 +307,7 @@ def main(argv=None):
             json.dump({"partial": True, "ceilings": ceilings, "results": results}, f, indent=1)
     print(f"\npreset {opts.preset}, {opts.nproc} GPUs, iterations {opts.warmup + 1}-{opts.iters} (fewer for "
           f"{', '.join(MAX_ITERS)}), rank 0 unless noted; each variant against the baseline with the same '@' modifiers")
-    print("| variant | ms/iter | x baseline | max allocated GiB | max reserved GiB | steady max reserved GiB | "
-          "reserved saved GiB | offloaded GiB | saved / offloaded (per rank) | pinned GiB | losses == baseline |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    notes = []
-    for name, r in results.items():
-        ref = reference(results, name)
-        r["reference"] = next((k for k, v in results.items() if v is ref), None)
-        ratio = r["median_ms"] / ref["median_ms"] if ref else float("nan")
-        saved = (ref["max_reserved_gib"][0] - r["max_reserved_gib"][0]) if ref else float("nan")
-        frac = saved / r["offloaded_gib"][0] if r["offloaded_gib"][0] else float("nan")
-        # Per rank: the acceptance asks for every rank.
-        fracs = [(b - m) / o if ref and o else float("nan")
-                 for b, m, o in zip(ref["max_reserved_gib"] if ref else [], r["max_reserved_gib"], r["offloaded_gib"])]
-        r["saved_fraction_of_offloaded_per_rank"] = fracs
-        n = min(len(r["losses"]), len(ref["losses"])) if ref else 0
-        same = (r["losses"][:n] == ref["losses"][:n]) if ref else None
-        r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
-        if r.get("transfer") and ceilings:
-            t = r["transfer"]
-            notes.append(f"{name}: achieved D2H {t['d2h_gbps']:.1f} GB/s ({t['d2h_gbps'] / ceilings['d2h_gbps']:.0%} of "
-                  f"ceiling), H2D {t['h2d_gbps']:.1f} GB/s ({t['h2d_gbps'] / ceilings['h2d_gbps']:.0%}); exposed "
-                  f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
-                  f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms; free-block checks "
-                  f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all), reloads deferred "
-                  f"for fit {r['reloads_deferred_for_fit'][0]}; cached-memory releases {r['cache_releases'][0]} "
-                  f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); expandable segments {r['expandable_segments']}")
-        print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
-              f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
-              f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
-              f"{r['pinned_gib'][0]:.2f} | {same} |")
-    print("\n".join(notes))
+    report(results, ceilings)
     planned = compare_with_planner(results, opts.gbps, opts.both_gbps,
                                    alone=planner_rates(ceilings, together=False))
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
