@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 from typing import Dict, List, Optional
 
 GiB = 2**30
@@ -240,6 +241,27 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
         elif duration > 0:
             segments.append(Segment("gap", duration, alloc - base, alloc - base))
     return Profile(segments, state_bytes, d2h_gbps, h2d_gbps, both_gbps)
+
+
+def median_marks(timelines):
+    """One timeline from several iterations' marks with the same phases (as `profile_from_timeline`
+    takes): each phase's duration and each boundary's allocated bytes are the median over the
+    iterations. A single marked iteration is one sample of a noisy host (R1 baselines: first
+    forward 52.9 or 60.1 ms in different calls); the median keeps one slow phase from moving the
+    floor. Iterations whose phase labels differ from the first one's are left out."""
+    timelines = [list(t) for t in timelines if t]
+    if not timelines:
+        return []
+    labels = [m[0] for m in timelines[0]]
+    same = [t for t in timelines if [m[0] for m in t] == labels]
+    if len(same) == 1:
+        return same[0]
+    out, t = [], 0.0
+    for k, label in enumerate(labels):
+        if k:
+            t += statistics.median(tl[k][1] - tl[k - 1][1] for tl in same)
+        out.append((label, t, statistics.median(tl[k][2] for tl in same)))
+    return out
 
 
 def load_profile(path: str) -> Profile:

@@ -175,7 +175,7 @@ class Recorder:
         self.startup_peak = None
         self.saves = []
         self._marks = None
-        self.timeline = None
+        self.timelines = []  # one per marked iteration (MEGATRON_OFFLOAD_TIMELINE_AT)
 
     def install(self):
         import megatron.training.training as training
@@ -184,7 +184,8 @@ class Recorder:
 
         profile_iters = {int(x) for x in os.environ.get("MEGATRON_OFFLOAD_PROFILE_ITERS", "").split(",") if x}
         state_at = os.environ.get("MEGATRON_OFFLOAD_STATE_DIGEST_AT")
-        timeline_at = os.environ.get("MEGATRON_OFFLOAD_TIMELINE_AT")
+        # Iterations whose phases are marked: "10" or "10,11,12".
+        timeline_at = {int(x) for x in os.environ.get("MEGATRON_OFFLOAD_TIMELINE_AT", "").split(",") if x}
         import megatron.core.pipeline_parallel.schedules as schedules
 
         def marked(fn, phase):
@@ -221,7 +222,7 @@ class Recorder:
                 optimizer.step = marker_step
                 optimizer._memhist_marked = True
             self._iteration = iteration
-            timeline = timeline_at is not None and iteration == int(timeline_at)
+            timeline = iteration in timeline_at
             if timeline:
                 # Phase marks (CUDA events + allocated bytes) for the planner, one iteration.
                 self._marks = []
@@ -267,11 +268,11 @@ class Recorder:
                 optimizer.step = step
                 peaks = tuple(max(x, y) for x, y in zip(peaks, self._pre_step_peak))
                 first, base = self._marks[0][1], self._marks[0][2]
-                self.timeline = {
+                self.timelines.append({
                     "iteration": iteration,
                     "marks": [(label, first.elapsed_time(ev), alloc) for label, ev, alloc in self._marks],
                     "step_peak_growth": self._step_peak - base,
-                }
+                })
                 self._marks = None
             loss = result[0].get("lm loss") if isinstance(result[0], dict) else None
             self.iterations.append(
@@ -474,7 +475,8 @@ class Recorder:
                     "state_at": self.state_at,
                     "startup_peak": self.startup_peak,
                     "saves": self.saves,
-                    "timeline": self.timeline,
+                    "timeline": self.timelines[0] if self.timelines else None,  # (the first; readers of old records)
+                    "timelines": self.timelines,
                     "adam_state_bytes": self.adam_state_bytes(),
                     # Whether the caching allocator ran with expandable segments (set by the
                     # user, or turned on by the plugin): None where the snapshot does not say.

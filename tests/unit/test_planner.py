@@ -113,3 +113,25 @@ def test_chunked_step_floor_for_r2():
     r1 = PRESETS["r1"]
     whole, pieces = predict(r1, r1.state_bytes), predict(r1, r1.state_bytes, step_budget=r1.state_bytes)
     assert whole.iteration_ms - 28 - 1 <= pieces.iteration_ms <= whole.iteration_ms
+
+
+def test_median_marks_keep_one_slow_phase_from_moving_the_floor():
+    clean = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 53.0, 20 * GiB),
+             ("bwd_begin", 53.0, 20 * GiB), ("bwd_end", 143.0, 0), ("step_begin", 160.0, 0), ("step_end", 190.0, 0)]
+    other = [(label, t * 1.01, alloc) for label, t, alloc in clean]
+    slow = list(clean)
+    slow[2] = ("fwd_end", 73.0, 20 * GiB)  # a 20 ms stall in one forward; everything after shifts
+    slow[3:] = [(label, t + 20.0, alloc) for label, t, alloc in clean[3:]]
+    merged = planner.median_marks([clean, slow, other])
+    assert [m[0] for m in merged] == [m[0] for m in clean]
+    assert merged[2][1] - merged[1][1] == pytest.approx(52.0 * 1.01)  # the median forward
+    assert merged[-1][1] == pytest.approx(190.0 + 0.52)  # every other phase: the clean runs' own
+    state = 6 * GiB
+
+    def floor(marks):
+        return planner.predict(planner.profile_from_timeline(marks, state), state).ratio
+
+    assert abs(floor(merged) - floor(clean)) < 0.01 < abs(floor(slow) - floor(clean))
+    # One timeline, or timelines of other phases, are left as they are.
+    assert planner.median_marks([slow]) == slow
+    assert planner.median_marks([clean, clean[:-2]]) == clean
