@@ -117,9 +117,11 @@ def first_forward_as_the_others(timeline):
     `PhaseRecorder` can remove (the forward's kernels share the GPU's queues and memory with the
     copy), so its compute-only length came out inflated, and by a varying amount: two identical
     R1 runs chose 0.42 (1.012x) and 0.52 (1.054x; the planner's floor on the baseline for 0.52 is
-    1.029x). The later forwards of the same iteration run with no copy beside them; without
-    offloading the first one takes as long, or slightly longer (R1: 52.9 vs 51.3 ms; it also
-    waits for the parameter all-gather), so this errs on the side of offloading less."""
+    1.029x). The later forwards of the same iteration run with no copy beside them. This errs on
+    the side of offloading less, by more where the first forward is legitimately longer than the
+    others (it also waits for the overlapped parameter all-gather): R1 baselines spent 52.9-54.5
+    ms in it against 51.3 in one call, 60.1 against 50.7 in another, where the trimmed choice
+    (0.37-0.38, 1.007-1.020x) took only 59-65 % of what the planner called free."""
     forwards = [(k - 1, k) for k, (label, _, _) in enumerate(timeline)
                 if label == "fwd_end" and k > 0 and timeline[k - 1][0] == "fwd_begin"]
     if len(forwards) < 2:

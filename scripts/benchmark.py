@@ -152,14 +152,14 @@ def reference(results, name):
 
 
 def baseline_phases(base):
-    """(marks, step peak growth) of the baseline for the planner: the per-phase median over its
+    """(marks, step peak growth, iterations marked) of the baseline for the planner: the per-phase median over its
     marked iterations (one slow phase of one iteration on a noisy host no longer moves the floor:
     R2's single marked iteration took 901 ms against a median of 850), else its one timeline."""
     from megatron_offload import planner
 
     timelines = base.get("timelines") or [base["timeline"]]
     marks = planner.median_marks([t["marks"] for t in timelines])
-    return marks, statistics.median(t["step_peak_growth"] for t in timelines)
+    return marks, statistics.median(t["step_peak_growth"] for t in timelines), len(timelines)
 
 
 def compare_with_planner(results, gbps, both_gbps=None, alone=None):
@@ -177,7 +177,7 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         base = reference(results, name)
         if not state or not base or not base.get("timeline"):
             continue
-        marks, step_growth = baseline_phases(base)
+        marks, step_growth, marked = baseline_phases(base)
         prof = planner.profile_from_timeline(marks, state, step_growth, gbps, gbps, both_gbps or 2 * gbps)
         budget = (r.get("step_budget_gib") or [0])[0] * planner.GiB
 
@@ -187,7 +187,6 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
             return planner.predict(profile, min(state, profile.max_unchunked_bytes))
 
         pred = floor(prof)
-        marked = len(base.get("timelines") or [base["timeline"]])
         rows[name] = {"predicted_ms": pred.iteration_ms, "timeline_ms": prof.iteration_ms, "marked_iterations": marked,
                       "predicted_ratio": pred.ratio, "measured_ratio": r["ratio"],
                       "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB,
