@@ -50,13 +50,18 @@ class Choice:
     d2h_gbps: float
     h2d_gbps: float
     own_free_fraction: float = -1.0  # this rank's own measurement, when the group agreed on less
+    # The free fraction of the same timeline with its first forward untrimmed: an upper bound
+    # (`first_forward_as_the_others`), which the second calibration may not exceed.
+    free_upper: float = -1.0
+    calibrations: int = 1
 
     def describe(self) -> str:
         bound = "memory" if self.fit_fraction > self.free_fraction else "free transfer"
         agreed = (f" (the smallest of the data-parallel group; this rank measured "
                   f"{self.own_free_fraction:.2f})" if self.own_free_fraction >= 0 else "")
+        which = "the second calibration's " if self.calibrations > 1 else "a "
         return (f"--offload-state-fraction auto: {self.fraction:.2f} (bound by {bound}; free "
-                f"{self.free_fraction:.2f}{agreed}, memory needs >= {self.fit_fraction:.2f}) from a "
+                f"{self.free_fraction:.2f}{agreed}, memory needs >= {self.fit_fraction:.2f}) from {which}"
                 f"{self.iteration_ms:.0f} ms iteration ({self.stalls_ms:.0f} ms of copy waits "
                 f"removed), D2H {self.d2h_gbps:.1f} / H2D {self.h2d_gbps:.1f} GB/s")
 
@@ -99,13 +104,48 @@ class PhaseRecorder:
 
 def choose(timeline, state_bytes: int, d2h_gbps: float, h2d_gbps: float, room_bytes: float,
            step_peak_growth: float = 0.0, stalls_ms: float = 0.0) -> Choice:
-    """The fraction to offload (see module doc), rounded down to 0.01; 1.0 when all moves free."""
+    """The fraction to offload (see module doc), rounded down to 0.01; 1.0 when all moves free.
+    For a calibration iteration that copied the whole state out: its first forward is trimmed
+    (`first_forward_as_the_others`), the untrimmed estimate kept as `free_upper`."""
     both = BOTH_DIRECTIONS_SHARE * (d2h_gbps + h2d_gbps)
-    timeline = first_forward_as_the_others(timeline)
-    profile = planner.profile_from_timeline(timeline, state_bytes, step_peak_growth, d2h_gbps, h2d_gbps, both)
-    free = planner.free_bytes(profile) / state_bytes if state_bytes else 1.0
+
+    def free_share(marks):
+        profile = planner.profile_from_timeline(marks, state_bytes, step_peak_growth, d2h_gbps, h2d_gbps, both)
+        return (planner.free_bytes(profile) / state_bytes if state_bytes else 1.0), profile.iteration_ms
+
+    free, iteration_ms = free_share(first_forward_as_the_others(timeline))
+    upper, _ = free_share(timeline)
     fit = 0.0 if math.isinf(room_bytes) else min(1.0, max(0.0, 1.0 - room_bytes / state_bytes))
-    return Choice(_settle(free, fit), free, fit, profile.iteration_ms, stalls_ms, d2h_gbps, h2d_gbps)
+    return Choice(_settle(free, fit), free, fit, iteration_ms, stalls_ms, d2h_gbps, h2d_gbps,
+                  free_upper=max(upper, free))
+
+
+def needs_second_calibration(first: Choice) -> bool:
+    """Whether an iteration run at `first`'s fraction can tell more than the first calibration did:
+    only when the trim may have cut the window (the untrimmed estimate is larger) and the
+    fraction is not already set by memory beyond that estimate, or everything."""
+    return first.fraction < 1.0 and first.free_upper > max(first.free_fraction, first.fit_fraction) + 0.005
+
+
+def refine(first: Choice, second: Choice) -> Choice:
+    """The choice after a second calibration iteration, run at `first.fraction`.
+
+    Why a second one: the first calibration copies the *whole* state out beside its first forward,
+    which stretches that forward by a varying amount; trimmed (`first_forward_as_the_others`) it
+    errs low where the first forward is legitimately longer (R1: 0.37-0.38 chosen, 59-65 % of what
+    the planner called free), untrimmed it erred high (0.52: 1.054x). At `first.fraction` the
+    copy-out fits the first forward's window by construction, so the second calibration's
+    forward runs nearly undisturbed and is taken as measured (untrimmed). Its free share is kept within the
+    first calibration's two estimates (trimmed and untrimmed) so that one noisy iteration cannot
+    move the choice outside what the first one bounded. Memory's bound stays the first
+    calibration's (measured with the whole state off the GPU)."""
+    lower = first.free_fraction
+    upper = max(first.free_upper, lower)
+    measured = second.free_upper if second.free_upper >= 0 else second.free_fraction
+    free = min(max(measured, lower), upper)
+    return dataclasses.replace(second, fraction=_settle(free, first.fit_fraction), free_fraction=free,
+                               fit_fraction=first.fit_fraction, free_upper=upper,
+                               calibrations=first.calibrations + 1)
 
 
 def first_forward_as_the_others(timeline):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import enum
 import logging
+import math
 import time
 from typing import Callable, Iterable, List, Optional
 
@@ -701,17 +702,30 @@ class OffloadCoordinator:
             return
         timeline, stalls_ms = recorder.timeline()
         d2h, h2d = auto_fraction.bandwidth_of(self.streams.stats)
-        choice = auto_fraction.choose(timeline, self.state_bytes, d2h, h2d, self._memory_room(),
-                                      stalls_ms=stalls_ms)
+        first = self.auto_choice  # None in the first calibration iteration
+        total = self.state_bytes + sum(off.kept_bytes for off in self.offloaders)
+        # The second calibration keeps the first one's memory bound (`refine`): no room needed.
+        room = self._memory_room() if first is None else math.inf
+        choice = auto_fraction.choose(timeline, total, d2h, h2d, room, stalls_ms=stalls_ms)
+        if first is not None:
+            choice = auto_fraction.refine(first, choice)
         if self._smallest_in_group is not None:
             # Every rank of the group gets here in the same iteration: a step is skipped on all
             # ranks or on none (Megatron reduces inf/nan and the grad norm across them).
             choice = auto_fraction.agree(choice, self._smallest_in_group)
         self.auto_choice = choice
         self.auto_fraction_at = None
+        if first is None:
+            second = auto_fraction.needs_second_calibration(choice)
+            if self._smallest_in_group is not None:
+                # A collective in the next calibration: the group takes it if any rank needs it
+                # (the maximum, as minus the minimum of the negated flags).
+                second = -self._smallest_in_group(-float(second)) > 0
+            if second:
+                self.auto_fraction_at = self._iterations_done + 1
         self._trace(f"auto_fraction:{choice.fraction:.2f}")
         self._announce_fn(choice.describe())
-        if choice.fraction >= 1.0:
+        if choice.fraction >= 1.0 or choice.fraction == self.state_fraction:
             return
         self.state_fraction = choice.fraction
         for off in self.offloaders:

@@ -198,7 +198,7 @@ def test_the_group_agrees_on_its_smallest_free_fraction_but_memory_stays_per_ran
     assert auto_fraction.agree(tight, lambda x: x / 2).fraction == pytest.approx(0.9)
 
 
-def test_coordinator_asks_the_group_once_in_the_calibration_iteration(monkeypatch):
+def test_coordinator_asks_the_group_once_for_the_fraction_and_once_whether_to_calibrate_again(monkeypatch):
     monkeypatch.setattr(auto_fraction, "choose",
                         lambda *a, **k: auto_fraction.Choice(0.6, 0.6, 0.0, 1.0, 0.0, 55, 55))
     asked = []
@@ -206,11 +206,11 @@ def test_coordinator_asks_the_group_once_in_the_calibration_iteration(monkeypatc
     coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
                                memory_room=lambda: math.inf,
-                               smallest_in_group=lambda x: asked.append(x) or 0.3)
+                               smallest_in_group=lambda x: asked.append(x) or (0.3 if x > 0 else x))
     off = coord.add_optimizer(opt)
     for step in range(4):
         _iteration(opt, coord, step)
-    assert asked == [0.6]
+    assert asked == [0.6, -0.0]  # the choice's free_upper is unset: no rank needs a second one
     assert coord.auto_choice.fraction == 0.3 and off.fraction == 0.3
 
 
@@ -235,3 +235,96 @@ def test_a_first_forward_slowed_by_the_calibration_copy_does_not_raise_the_choic
     assert [label for label, _, _ in trimmed] == [label for label, _, _ in timeline]
     assert [t for _, t, _ in trimmed] == pytest.approx([t for _, t, _ in timeline])
     assert auto_fraction.first_forward_as_the_others(timeline) == timeline
+
+
+def _slowed_first_forward(extra_ms):
+    r1 = planner.PRESETS["r1"]
+    segments = [s for s in r1.segments if s.kind != "step"]
+    first = next(i for i, s in enumerate(segments) if s.kind == "forward")
+    slowed = list(segments)
+    slowed[first] = planner.Segment("forward", segments[first].ms + extra_ms, segments[first].growth_start,
+                                    segments[first].growth_end)
+    return r1, marks_of(slowed)
+
+
+def test_the_untrimmed_estimate_bounds_the_choice_from_above():
+    r1, slowed = _slowed_first_forward(20.0)
+    choice = auto_fraction.choose(slowed, r1.state_bytes, 55.0, 55.0, room_bytes=math.inf)
+    assert choice.free_upper > choice.free_fraction + 0.02  # the wider window moves more for free
+    assert auto_fraction.needs_second_calibration(choice)
+    plain = auto_fraction.choose(marks_of([s for s in r1.segments if s.kind != "step"]), r1.state_bytes,
+                                 55.0, 55.0, room_bytes=math.inf)
+    assert plain.free_upper == pytest.approx(plain.free_fraction)
+    assert not auto_fraction.needs_second_calibration(plain)  # nothing was trimmed: nothing to refine
+    # Memory already asks for more than the untrimmed estimate: nothing to refine either.
+    tight = auto_fraction.choose(slowed, r1.state_bytes, 55.0, 55.0, room_bytes=0.05 * r1.state_bytes)
+    assert tight.fit_fraction > tight.free_upper and not auto_fraction.needs_second_calibration(tight)
+
+
+def test_the_second_calibration_is_taken_as_measured_within_the_first_ones_bounds():
+    first = auto_fraction.Choice(0.38, 0.385, 0.1, 600.0, 5.0, 55.0, 55.0, free_upper=0.52)
+
+    def second(untrimmed):
+        return auto_fraction.Choice(0.3, untrimmed - 0.05, 0.9, 610.0, 1.0, 54.0, 53.0, free_upper=untrimmed)
+
+    inside = auto_fraction.refine(first, second(0.457))
+    assert inside.free_fraction == pytest.approx(0.457) and inside.fraction == 0.45
+    assert inside.fit_fraction == 0.1 and inside.calibrations == 2  # memory's bound stays the first's
+    assert (inside.d2h_gbps, inside.iteration_ms) == (54.0, 610.0)
+    assert "second calibration" in inside.describe()
+    assert auto_fraction.refine(first, second(0.7)).free_fraction == pytest.approx(0.52)
+    assert auto_fraction.refine(first, second(0.2)).free_fraction == pytest.approx(0.385)
+    assert auto_fraction.refine(first, second(0.2)).fraction == 0.38
+
+
+def _auto_run(monkeypatch, choices, steps, group=None):
+    """A coordinator whose calibrations return `choices` in turn; returns (coord, off, choose calls)."""
+    calls = []
+
+    def fake_choose(timeline, state_bytes, d2h, h2d, room, **kw):
+        calls.append(dict(state_bytes=state_bytes, room=room))
+        return choices[len(calls) - 1]
+
+    monkeypatch.setattr(auto_fraction, "choose", fake_choose)
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                               expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
+                               memory_room=lambda: 777.0, smallest_in_group=group)
+    off = coord.add_optimizer(opt)
+    for step in range(steps):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        _iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    return coord, off, calls
+
+
+def test_coordinator_calibrates_again_at_the_first_choice_and_repacks_only_on_a_change(monkeypatch):
+    first = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.6)
+    again = auto_fraction.Choice(0.3, 0.3, 0.0, 1.0, 0.0, 55, 55, free_upper=0.5)
+    coord, off, calls = _auto_run(monkeypatch, [first, again], steps=5)
+    assert len(calls) == 2  # iterations 2 and 3
+    assert calls[0]["room"] == 777.0 and calls[1]["room"] == math.inf
+    # Both calibrations plan for the whole state, resident part included.
+    assert calls[0]["state_bytes"] == calls[1]["state_bytes"] == off.state_bytes + off.kept_bytes
+    assert coord.auto_choice.fraction == 0.5 and off.fraction == 0.5 and coord.auto_fraction_at is None
+    assert [e for e in coord.events if e.startswith("auto_fraction")] == ["auto_fraction:0.40", "auto_fraction:0.50"]
+    assert off.state_bytes <= 0.5 * (off.state_bytes + off.kept_bytes)
+    # The same fraction again: no second re-pack.
+    same = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.405)
+    coord, off, calls = _auto_run(monkeypatch, [first, same], steps=5)
+    assert len(calls) == 2 and coord.auto_choice.fraction == 0.4
+    assert coord.events.count("auto_fraction:0.40") == 2
+
+
+def test_the_group_takes_the_second_calibration_if_any_rank_needs_it(monkeypatch):
+    settled = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.4)
+    asked = []
+
+    def group(x):  # this rank needs no second calibration; a neighbour does
+        asked.append(x)
+        return -1.0 if x == -0.0 else x
+
+    coord, off, calls = _auto_run(monkeypatch, [settled, settled], steps=5, group=group)
+    assert len(calls) == 2 and asked == [0.4, -0.0, 0.4]
+    assert coord.auto_choice.calibrations == 2 and coord.auto_choice.fraction == 0.4
