@@ -37,3 +37,28 @@ def test_offloaded_at_save_is_the_least_over_the_saves():
     assert offloaded_at_save({"saves": saves}) == 0
     assert offloaded_at_save({"saves": saves[:1]}) == 300 * MiB
     assert offloaded_at_save({"saves": []}) == 0
+
+
+def test_sweep_merge_takes_rows_of_sweeps_and_the_kept_variants_of_a_benchmark(tmp_path, capsys):
+    import json
+
+    import sweep
+
+    def row(gbs, ratio, floor):
+        return {"gbs": gbs, "variant": "offload", "baseline_ms": 100.0, "ms": 100.0 * ratio, "measured_ratio": ratio,
+                "floor_ratio": floor, "measured_over_floor": ratio / floor, "saved_fraction": 1.0,
+                "losses_identical": True}
+
+    a, b, bench = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "bench.json"
+    a.write_text(json.dumps({"rows": [row(64, 1.06, 1.05)]}))
+    b.write_text(json.dumps({"rows": [row(4, 1.66, 1.69)]}))
+    result = {"median_ms": 120.0, "saved_fraction_of_offloaded": 0.9, "losses_identical": True}
+    plan = {"measured_ratio": 1.2, "predicted_ratio": 1.18}
+    bench.write_text(json.dumps({
+        "results": {"baseline": {"median_ms": 100.0}, "offload": result, "offload@release": result},
+        "planner": {"offload": plan, "offload@release": plan}}))
+    sweep.merge([str(a), f"16={bench}", str(b)], str(tmp_path), keep={"baseline", "offload"})
+    merged = json.loads((tmp_path / "sweep.json").read_text())["rows"]
+    assert [(r["gbs"], r["variant"]) for r in merged] == [(4, "offload"), (16, "offload"), (64, "offload")]
+    assert merged[1]["measured_over_floor"] == 1.2 / 1.18
+    assert "| 16 | offload | 100 | 120 | 1.200 | 1.180 | 1.017 |" in capsys.readouterr().out
