@@ -124,6 +124,7 @@ def needs_second_calibration(first: Choice) -> bool:
     """Whether an iteration run at `first`'s fraction can tell more than the first calibration did:
     only when the trim may have cut the window (the untrimmed estimate is larger) and the
     fraction is not already set by memory beyond that estimate, or everything."""
+    # (+ half the 0.01 step the fraction is rounded to: a difference that cannot change it)
     return first.fraction < 1.0 and first.free_upper > max(first.free_fraction, first.fit_fraction) + 0.005
 
 
@@ -135,10 +136,11 @@ def refine(first: Choice, second: Choice) -> Choice:
     errs low where the first forward is legitimately longer (R1: 0.37-0.38 chosen, 59-65 % of what
     the planner called free), untrimmed it erred high (0.52: 1.054x). At `first.fraction` the
     copy-out fits the first forward's window by construction, so the second calibration's
-    forward runs nearly undisturbed and is taken as measured (untrimmed). Its free share is kept within the
-    first calibration's two estimates (trimmed and untrimmed) so that one noisy iteration cannot
-    move the choice outside what the first one bounded. Memory's bound stays the first
-    calibration's (measured with the whole state off the GPU)."""
+    forward runs nearly undisturbed and is taken as measured (untrimmed). Its free share is kept
+    within the first calibration's two estimates (trimmed and untrimmed) so that one noisy
+    iteration cannot move the choice outside what the first one bounded. Memory's bound stays the
+    first calibration's (measured with the whole state off the GPU). Measured on R1 (session 10):
+    0.37 from the first calibration every time, then 0.41, 0.42, 0.46 (1.002-1.020x)."""
     lower = first.free_fraction
     upper = max(first.free_upper, lower)
     measured = second.free_upper if second.free_upper >= 0 else second.free_fraction

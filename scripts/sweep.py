@@ -70,7 +70,8 @@ def rows_of(gbs, data):
     """Sweep rows of one benchmark.json (its planner section; recomputed when it has none)."""
     planned = data.get("planner")
     if not planned:
-        sys.path.insert(0, HERE)
+        if HERE not in sys.path:
+            sys.path.insert(0, HERE)
         import benchmark
 
         benchmark.report(data["results"], data.get("ceilings"))
