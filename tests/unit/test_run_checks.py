@@ -62,3 +62,23 @@ def test_sweep_merge_takes_rows_of_sweeps_and_the_kept_variants_of_a_benchmark(t
     assert [(r["gbs"], r["variant"]) for r in merged] == [(4, "offload"), (16, "offload"), (64, "offload")]
     assert merged[1]["measured_over_floor"] == 1.2 / 1.18
     assert "| 16 | offload | 100 | 120 | 1.200 | 1.180 | 1.017 |" in capsys.readouterr().out
+
+
+def test_alloc_trace_finds_the_hole_a_request_could_not_use():
+    import numpy as np
+
+    from alloc_trace import free_holes, growth_holes, phase_labels
+
+    assert free_holes({0: 4, 8: 2}, [(0, 10), (10, 12)]) == [4, 2]  # adjacent mappings merge
+    marker = 512 * (1000 + 4 * 1)  # the pretraining script's "iteration 1 begin" marker
+    events = [("segment_map", 100 * MiB, 0), ("alloc", 40 * MiB, 0), ("alloc", 40 * MiB, 40 * MiB),
+              ("alloc", 20 * MiB, 80 * MiB), ("alloc", marker, 10 * 2**30), ("free_completed", 40 * MiB, 0),
+              ("segment_map", 60 * MiB, 100 * MiB), ("alloc", 50 * MiB, 100 * MiB)]
+    trace = {"action": np.array([e[0] for e in events]), "size": np.array([e[1] for e in events]),
+             "addr": np.array([e[2] for e in events]), "stream": np.zeros(len(events), dtype=np.int64)}
+    labels = phase_labels(trace)
+    assert labels[0] == "startup" and labels[-1] == "iteration 1 begin"
+    assert growth_holes(trace, labels) == [(6, "iteration 1 begin", 60 * MiB, 50 * MiB, 40 * MiB, 40 * MiB)]
+    # Another stream's free memory is no use to the request.
+    trace["stream"] = np.array([7, 7, 7, 7, 0, 7, 0, 0])
+    assert growth_holes(trace, labels) == [(6, "iteration 1 begin", 60 * MiB, 50 * MiB, 0, 0)]
