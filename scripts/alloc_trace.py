@@ -14,6 +14,10 @@ import bisect
 import numpy as np
 
 MIB, GIB = 2**20, 2**30
+# Allocator actions that add or remove device memory: whole segments (default allocator) or pages
+# of an expandable segment.
+MAPS = ("segment_alloc", "segment_map")
+UNMAPS = ("segment_free", "segment_unmap")
 
 
 def load(path):
@@ -22,6 +26,11 @@ def load(path):
     return {"action": np.array([actions[i] for i in d["action"]]), "size": d["size"], "addr": d["addr"],
             "time_us": d["time_us"] if "time_us" in d.files else None,
             "stream": d["stream"] if "stream" in d.files else np.zeros(len(d["size"]), dtype=np.int64)}
+
+
+def request_after(trace, i):
+    """The size of the event after #i: for a mapping, the allocation that needed it."""
+    return trace["size"][i + 1] if i + 1 < len(trace["size"]) else 0
 
 
 def phase_labels(trace):
@@ -55,14 +64,14 @@ def main():
             allocated += size
         elif action == "free_completed":
             allocated -= size
-        elif action in ("segment_alloc", "segment_map"):
+        elif action in MAPS:
             reserved += size
-        elif action in ("segment_free", "segment_unmap"):
+        elif action in UNMAPS:
             reserved -= size
         peak = max(peak, reserved)
         late = labels[i] != "startup"
-        if late and action in ("segment_alloc", "segment_map") and size >= o.min_mib * MIB:
-            wanted = trace["size"][i + 1] if i + 1 < len(trace["size"]) else 0
+        if late and action in MAPS and size >= o.min_mib * MIB:
+            wanted = request_after(trace, i)
             print(f"#{i:7d} {labels[i]:24s} new segment {size / MIB:8.1f} MiB for a {wanted / MIB:.1f} MiB "
                   f"request: reserved {reserved / GIB:6.2f} GiB, allocated {allocated / GIB:6.2f} GiB")
         elif late and o.chunks and action in ("alloc", "free_completed") and size >= o.min_mib * MIB:
@@ -113,18 +122,18 @@ def growth_holes(trace, labels):
     for i, (action, size, addr, stream) in enumerate(zip(trace["action"], trace["size"], trace["addr"],
                                                           trace["stream"])):
         own_live, own_mapped = live.setdefault(stream, {}), mapped.setdefault(stream, [])
-        if action in ("segment_alloc", "segment_map") and labels[i] != "startup" \
+        if action in MAPS and labels[i] != "startup" \
                 and not labels[i].startswith("iteration 0 "):
             holes = free_holes(own_live, own_mapped) or [0]
-            wanted = trace["size"][i + 1] if i + 1 < len(trace["size"]) else 0
+            wanted = request_after(trace, i)
             out.append((i, labels[i], size, wanted, sum(holes), max(holes)))
         if action == "alloc":
             own_live[addr] = size
         elif action == "free_completed":
             own_live.pop(addr, None)
-        elif action in ("segment_alloc", "segment_map"):
+        elif action in MAPS:
             own_mapped.append((addr, addr + size))
-        elif action in ("segment_free", "segment_unmap"):
+        elif action in UNMAPS:
             kept = []
             for start, end in own_mapped:  # remove [addr, addr + size)
                 if end <= addr or start >= addr + size:
@@ -144,8 +153,8 @@ def deferred_report(trace, labels):
     record_stream); and per phase, how many frees waited and for how long (host time)."""
     reserved = peak = peak_at = 0
     for i, (action, size) in enumerate(zip(trace["action"], trace["size"])):
-        reserved += size if action in ("segment_alloc", "segment_map") else 0
-        reserved -= size if action in ("segment_free", "segment_unmap") else 0
+        reserved += size if action in MAPS else 0
+        reserved -= size if action in UNMAPS else 0
         if reserved > peak:
             peak, peak_at = reserved, i
     live, pending, waits = {}, {}, {}
