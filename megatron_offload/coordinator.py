@@ -49,6 +49,11 @@ DEFAULT_MARGIN_BYTES = 64 * 2**20
 # stepped, the next one loading, the previous one still copying out (its D2H must finish before its
 # memory can take the one after next).
 STEP_WINDOW_CHUNKS = 3
+# Points of the iteration where `--offload-release-cached-memory` may hand free cached memory back
+# to the driver: when the last chunk is freed in the first forward ("offloaded"), at each later
+# microbatch's forward ("forward"), when the last backward begins, before any reload
+# ("reload_window"), and after the optimizer step, the state resident ("step_end").
+RELEASE_POINTS = ("offloaded", "forward", "reload_window", "step_end")
 
 
 class Phase(enum.Enum):
@@ -82,6 +87,7 @@ class OffloadCoordinator:
         step_budget_bytes: int = 0,
         release_cache: bool = False,
         empty_cache: Optional[Callable[[], None]] = None,
+        release_at: Iterable[str] = ("offloaded",),
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -115,6 +121,11 @@ class OffloadCoordinator:
         # Once per training iteration, when the last offloaded chunk is freed, hand the caching
         # allocator's free memory back to the driver (`_release_cache`).
         self.release_cache = release_cache
+        # Where in the iteration (RELEASE_POINTS; "offloaded" unless measuring the others).
+        self.release_at = frozenset(release_at)
+        unknown = self.release_at - set(RELEASE_POINTS)
+        if unknown:
+            raise ValueError(f"unknown release point(s) {sorted(unknown)}; known: {RELEASE_POINTS}")
         self._empty_cache = empty_cache or (torch.cuda.empty_cache if self.device.type == "cuda" else None)
         self.cache_releases = 0
         self.cache_release_ms = 0.0
@@ -249,9 +260,14 @@ class OffloadCoordinator:
         if freed and not self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.OFFLOADED
             self._trace("offloaded")
-            if self.release_cache and position is not None:
-                self._release_cache()
+            if position is not None:
+                self._release_cache_at("offloaded")
         return freed
+
+    def _release_cache_at(self, point: str) -> None:
+        if self.release_cache and point in self.release_at:
+            self._trace(f"release:{point}")
+            self._release_cache()
 
     def _release_cache(self) -> None:
         """Return the allocator's free memory to the driver, now that the state is off the GPU.
@@ -380,6 +396,8 @@ class OffloadCoordinator:
         self._train_forwards += 1
         self._position = 0
         if not first:
+            if self.phase is Phase.OFFLOADED and not self._window_open:
+                self._release_cache_at("forward")
             return
         self._freed_at.clear()
         self._freed_this_iter = 0
@@ -454,6 +472,7 @@ class OffloadCoordinator:
             # No forward will follow: from here on the backwards only release activations.
             self._window_open = True
             self._trace("reload_window")
+            self._release_cache_at("reload_window")
             self._reload_up_to(self._reload_ceiling(), position=self._position)
 
     def backward_end(self) -> None:
@@ -547,6 +566,7 @@ class OffloadCoordinator:
         hosts the D2H and NCCL share the GPU's link.)
         """
         self._skipped_last_step = False
+        self._release_cache_at("step_end")
         for off in self.offloaders:
             if id(off) in self._stepped:
                 self._copy_out_due.append(off)

@@ -3,7 +3,7 @@ writes with MEGATRON_OFFLOAD_MEMHIST=<N> (memhist_rank0.npz; the benchmark's `@m
 and lists every new segment after start-up with the iteration phase and the allocation that
 needed it, plus the largest allocations (chunks) freed and re-allocated per iteration.
 
-    python scripts/alloc_trace.py memhist_rank0.npz [--min-mib 100] [--chunks] [--deferred] [--holes]
+    python scripts/alloc_trace.py memhist_rank0.npz [--min-mib 100] [--chunks] [--deferred] [--holes] [--peaks]
 
 Needs only numpy (runs anywhere, no GPU).
 """
@@ -33,16 +33,66 @@ def request_after(trace, i):
     return trace["size"][i + 1] if i + 1 < len(trace["size"]) else 0
 
 
+MICROBATCH_MARKER_BASE = 100  # scripts/pretrain_gpt_mock.py's microbatch markers
+
+
+def marker_stream(trace):
+    """The stream the pretraining script allocates its markers on: the one whose allocations are
+    all marker-sized. None for histories whose markers shared the compute stream (before session
+    11): there any small allocation of a marker's size would pass for one."""
+    small = (trace["size"] % 512 == 0) & (trace["size"] < MIB) & (trace["size"] >= 512 * MICROBATCH_MARKER_BASE)
+    allocs = trace["action"] == "alloc"
+    candidates = set(trace["stream"][allocs & small].tolist()) - set(trace["stream"][allocs & ~small].tolist())
+    return candidates.pop() if len(candidates) == 1 else None
+
+
 def phase_labels(trace):
-    """Label of every event: the last marker allocation (512 * (1000 + 4 * iteration + k)) seen."""
+    """Label of every event: the last marker allocation seen, "iteration N <point>" from the
+    iteration markers (512 * (1000 + 4 * N + k)), refined to "iteration N fwd|bwd <microbatch>"
+    by the microbatch markers (512 * (100 + 2 * microbatch + b))."""
     names = ("begin", "step_begin", "step_end", "?")
-    labels, current = [], "startup"
-    for action, size in zip(trace["action"], trace["size"]):
-        code = size // 512 - 1000
-        if action == "alloc" and size % 512 == 0 and 0 <= code < 4 * 10_000 and size < MIB:
-            current = f"iteration {code // 4} {names[code % 4]}"
+    only = marker_stream(trace)
+    labels, current, iteration = [], "startup", None
+    for action, size, stream in zip(trace["action"], trace["size"], trace["stream"]):
+        if action == "alloc" and size % 512 == 0 and size < MIB and (only is None or stream == only):
+            code = size // 512
+            if MICROBATCH_MARKER_BASE <= code < 1000 and iteration is not None:
+                k = code - MICROBATCH_MARKER_BASE
+                current = f"iteration {iteration} {('fwd', 'bwd')[k % 2]} {k // 2}"
+            elif 0 <= code - 1000 < 4 * 10_000:
+                iteration = (code - 1000) // 4
+                current = f"iteration {iteration} {names[(code - 1000) % 4]}"
         labels.append(current)
     return labels
+
+
+def iteration_peaks(trace, labels):
+    """Per iteration: (iteration, highest reserved, label there, allocated there). Reserved is
+    rebuilt from the mapping events, allocated from alloc / free_completed; "there" is the most
+    allocated while reserved stayed at its peak (a mapping precedes the request that needed it),
+    so reserved - allocated is what was mapped but free at the tightest point. The markers' own
+    bytes are left out where they have a stream of their own."""
+    peaks = {}
+    allocated = reserved = 0
+    markers = marker_stream(trace)
+    for action, size, label, stream in zip(trace["action"], trace["size"], labels, trace["stream"]):
+        if stream == markers:
+            continue
+        if action == "alloc":
+            allocated += size
+        elif action == "free_completed":
+            allocated -= size
+        elif action in MAPS:
+            reserved += size
+        elif action in UNMAPS:
+            reserved -= size
+        if not label.startswith("iteration "):
+            continue
+        iteration = int(label.split()[1])
+        best = peaks.get(iteration)
+        if best is None or reserved > best[1] or (reserved == best[1] and allocated > best[3]):
+            peaks[iteration] = (iteration, reserved, label, allocated)
+    return [peaks[k] for k in sorted(peaks)]
 
 
 def main():
@@ -55,6 +105,8 @@ def main():
     p.add_argument("--holes", action="store_true",
                    help="at every growth of reserved memory after iteration 0: the mapped but free bytes "
                         "and the largest free hole the request could not use")
+    p.add_argument("--peaks", action="store_true",
+                   help="per iteration: the highest reserved memory, where it was, and how much of it was free")
     o = p.parse_args()
     trace = load(o.npz)
     labels = phase_labels(trace)
@@ -80,6 +132,10 @@ def main():
     print(f"peak reserved in the trace: {peak / GIB:.2f} GiB")
     if o.deferred:
         deferred_report(trace, labels)
+    if o.peaks:
+        for iteration, reserved, label, allocated in iteration_peaks(trace, labels):
+            print(f"iteration {iteration:3d}: peak reserved {reserved / GIB:6.2f} GiB at {label:24s} "
+                  f"allocated {allocated / GIB:6.2f} GiB, mapped but free {(reserved - allocated) / GIB:5.2f} GiB")
     if o.holes:
         for i, label, mapped, wanted, free, largest in growth_holes(trace, labels):
             print(f"#{i:7d} {label:24s} mapped {mapped / MIB:6.0f} MiB for a {wanted / MIB:6.1f} MiB request while "

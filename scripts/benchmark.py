@@ -43,6 +43,12 @@ MODIFIERS = {
     # Allocator history of rank 0 from start-up through iteration 6 (before the timed iterations
     # when --warmup >= 7), for scripts/alloc_trace.py.
     "memhist": {"MEGATRON_OFFLOAD_MEMHIST": "6"},
+    # The same over the whole run (every rank writes its own history).
+    "memhistall": {"MEGATRON_OFFLOAD_MEMHIST": "100000"},
+    # Where --offload-release-cached-memory releases (coordinator.RELEASE_POINTS; default "offloaded").
+    "relfwd": {"MEGATRON_OFFLOAD_RELEASE_AT": "offloaded,forward"},
+    "relstep": {"MEGATRON_OFFLOAD_RELEASE_AT": "step_end"},
+    "relwin": {"MEGATRON_OFFLOAD_RELEASE_AT": "offloaded,reload_window"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},

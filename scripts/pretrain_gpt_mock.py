@@ -18,10 +18,11 @@ compute-stream synchronisation per iteration.
 With MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP=1 the optimizer step is wrapped in megatron-core's own
 `restore_from_cpu()` / `offload_to_cpu()` (the benchmark's `native-offload` variant).
 
-With MEGATRON_OFFLOAD_MEMHIST=<N>, local rank 0 also records the caching allocator's history from
+With MEGATRON_OFFLOAD_MEMHIST=<N>, every rank also records the caching allocator's history from
 start-up to the end of iteration N and writes it compactly to <dir>/memhist_rank<R>.npz (every
 alloc/free/segment event with address, size and stream; marker allocations of
-512 * (1000 + 4 * iteration + k) bytes tag iteration begin (k=0), step begin (1) and step end (2)).
+512 * (1000 + 4 * iteration + k) bytes tag iteration begin (k=0), step begin (1) and step end (2),
+and of 512 * (100 + 2 * microbatch + b) bytes each microbatch's forward (b=0) and backward (b=1)).
 Analyse it with scripts/alloc_trace.py.
 """
 
@@ -160,9 +161,29 @@ def write_gpu_timeline(profiler, path):
         json.dump(rows, f)
 
 
+_MARKER_STREAM = []
+
+
+def _marker_allocation(nbytes):
+    """A tiny allocation, freed at once, on a stream of its own: scripts/alloc_trace.py reads its
+    size as a tag and, by its stream, never mistakes a real allocation of that size for one."""
+    if not _MARKER_STREAM:
+        _MARKER_STREAM.append(torch.cuda.Stream())
+    with torch.cuda.stream(_MARKER_STREAM[0]):
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+
+
 def memhist_marker(iteration, k):
-    """A tiny allocation whose size tags a point of the iteration in the allocator history."""
-    torch.empty(512 * (1000 + 4 * (iteration or 0) + k), dtype=torch.uint8, device="cuda")  # freed at once
+    """Tags a point of the iteration in the allocator history."""
+    _marker_allocation(512 * (1000 + 4 * (iteration or 0) + k))
+
+
+def memhist_microbatch_marker(microbatch, backward):
+    """Tags the start of a microbatch's forward or backward."""
+    _marker_allocation(512 * (MICROBATCH_MARKER_BASE + 2 * microbatch + int(backward)))
+
+
+MICROBATCH_MARKER_BASE = 100  # below every iteration marker (1000 + 4 * iteration + k); < 1 MiB: small pool
 
 
 class Recorder:
@@ -190,6 +211,9 @@ class Recorder:
 
         def marked(fn, phase):
             def wrapper(*a, **k):
+                if self.memhist:
+                    memhist_microbatch_marker(self._microbatches[phase], phase == "bwd")
+                    self._microbatches[phase] += 1
                 self.mark(f"{phase}_begin")
                 out = fn(*a, **k)
                 self.mark(f"{phase}_end")
@@ -205,6 +229,7 @@ class Recorder:
             iteration = k.get("iteration")
             if self.memhist:
                 memhist_marker(iteration, 0)
+                self._microbatches = {"fwd": 0, "bwd": 0}
                 if iteration > memhist_until:
                     self.dump_memhist()
             if state_at is not None and iteration == int(state_at):
@@ -331,6 +356,7 @@ class Recorder:
 
     memhist = False
     _iteration = 0
+    _microbatches = {"fwd": 0, "bwd": 0}
 
     def start_memhist(self):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -501,7 +527,7 @@ if __name__ == "__main__":
     if os.environ.get("MEGATRON_OFFLOAD_RECORD"):
         recorder = Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"])
         recorder.install()
-        if os.environ.get("MEGATRON_OFFLOAD_MEMHIST") and os.environ.get("LOCAL_RANK", "0") == "0":
+        if os.environ.get("MEGATRON_OFFLOAD_MEMHIST"):
             recorder.start_memhist()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     datasets_provider.is_distributed = True

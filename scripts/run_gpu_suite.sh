@@ -53,8 +53,11 @@ for stage in $STAGES; do
       # Plots go into logs.tgz (the device returns at most 8 files from $OUT).
       python3 scripts/plot_benchmark.py "$WORK/bench/benchmark.json" --out-prefix "$WORK/bench/benchmark" \
         >> "$OUT/benchmark.log" 2>&1 || true
-      for f in "$WORK"/bench/*/memhist_rank0.npz; do
-        [ -e "$f" ] && cp "$f" "$OUT/memhist_$(basename "$(dirname "$f")" | tr '@+' '__').npz"
+      for f in "$WORK"/bench/*/memhist_rank*.npz; do
+        [ -e "$f" ] || continue
+        name="memhist_$(basename "$(dirname "$f")" | tr '@+' '__')_$(basename "$f" .npz | sed 's/memhist_//').npz"
+        cp "$f" "$OUT/$name"
+        python3 scripts/alloc_trace.py "$f" --peaks > "$OUT/${name%.npz}.txt" 2>&1 || true
       done ;;
     sweep)
       within_budget python3 scripts/sweep.py --nproc "$NPROC" --out "$WORK/sweep" ${SWEEP_ARGS:-} 2>&1 \

@@ -928,3 +928,31 @@ def test_cached_memory_released_once_per_iteration_after_the_state_left(release)
     else:
         assert seen[1:] == [] and coord.cache_releases == 0
     coord.close()
+
+
+def test_release_points_each_release_once_where_they_say():
+    """The other release points (measured against "offloaded" in the benchmark): at each later
+    microbatch's forward while everything is off, when the reload window opens (before any
+    reload), after the step (state resident). None of them changes a result."""
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    seen = []  # (point traced just before, bytes offloaded / all bytes) at each call
+    coord = make_coord(release_cache=True, release_at=("forward", "reload_window", "step_end"),
+                       expected_forwards_per_iteration=lambda: 3,
+                       empty_cache=lambda: seen.append(
+                           (coord.events[-1], coord.bytes_in(ChunkState.OFFLOADED) / coord.gpu_bytes)))
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    coord.release_startup_state()
+    seen.clear()
+    for step in range(3):
+        one_iteration(ref, None, step, microbatches=3)
+        one_iteration(opt, coord, step, microbatches=3)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    later_iteration = [("release:forward", 1.0), ("release:forward", 1.0), ("release:reload_window", 1.0),
+                       ("release:step_end", 0.0)]
+    # Step 0: the state starts off the GPU (start-up release), so its first forward frees nothing.
+    assert seen == [("release:forward", 1.0), ("release:forward", 1.0), ("release:reload_window", 1.0),
+                    ("release:step_end", 0.0)] + later_iteration * 2, seen
+    with pytest.raises(ValueError, match="unknown release point"):
+        make_coord(release_at=("mid_step",))
+    coord.close()

@@ -82,3 +82,27 @@ def test_alloc_trace_finds_the_hole_a_request_could_not_use():
     # Another stream's free memory is no use to the request.
     trace["stream"] = np.array([7, 7, 7, 7, 0, 7, 0, 0])
     assert growth_holes(trace, labels) == [(6, "iteration 1 begin", 60 * MiB, 50 * MiB, 0, 0)]
+
+
+def test_alloc_trace_labels_microbatches_and_finds_each_iterations_peak():
+    import numpy as np
+
+    from alloc_trace import iteration_peaks, phase_labels
+
+    def marker(code):  # the pretraining script's markers: allocated and freed at once, on their stream
+        return [("alloc", 512 * code, 10 * 2**30, 5), ("free_completed", 512 * code, 10 * 2**30, 5)]
+
+    events = [("segment_map", 100 * MiB, 0, 0), ("alloc", 30 * MiB, 0, 0),
+              *marker(1000 + 4 * 1), *marker(100 + 0), ("alloc", 50 * MiB, 30 * MiB, 0),  # iteration 1, fwd 0
+              *marker(100 + 1), ("free_completed", 50 * MiB, 30 * MiB, 0),  # bwd 0
+              *marker(100 + 2), ("segment_map", 40 * MiB, 100 * MiB, 0), ("alloc", 60 * MiB, 30 * MiB, 0),  # fwd 1
+              *marker(1000 + 4 * 1 + 1), ("free_completed", 60 * MiB, 30 * MiB, 0),  # step_begin
+              *marker(1000 + 4 * 2), ("segment_unmap", 40 * MiB, 100 * MiB, 0),  # iteration 2
+              ("alloc", 512 * (1000 + 4 * 7), 0, 0)]  # a real allocation of a marker's size: no marker
+    trace = {key: np.array([e[k] for e in events]) for k, key in enumerate(("action", "size", "addr", "stream"))}
+    labels = phase_labels(trace)
+    assert [labels[i] for i in (6, 9, 13)] == ["iteration 1 fwd 0", "iteration 1 bwd 0", "iteration 1 fwd 1"]
+    assert labels[-1] == "iteration 2 begin"
+    peaks = iteration_peaks(trace, labels)
+    # Iteration 1's reserved peak (140 MiB) is where fwd 1 mapped more; "there" is after its 60 MiB request.
+    assert peaks == [(1, 140 * MiB, "iteration 1 fwd 1", 90 * MiB), (2, 100 * MiB, "iteration 2 begin", 30 * MiB + 512 * 1028)]
