@@ -49,6 +49,9 @@ DEFAULT_MARGIN_BYTES = 64 * 2**20
 # stepped, the next one loading, the previous one still copying out (its D2H must finish before its
 # memory can take the one after next).
 STEP_WINDOW_CHUNKS = 3
+# Free blocks smaller than this do not count as room for a layer's backward temporaries
+# (`_fitting`): those are activation-sized (R1: 256 MiB), and a reload must not leave only crumbs.
+WORKSPACE_MIN_BLOCK = 64 * 2**20
 # Points of the iteration where `--offload-release-cached-memory` may hand free cached memory back
 # to the driver: when the last chunk is freed in the first forward ("offloaded"), at each later
 # microbatch's forward ("forward"), when the last backward begins, before any reload
@@ -88,6 +91,7 @@ class OffloadCoordinator:
         release_cache: bool = False,
         empty_cache: Optional[Callable[[], None]] = None,
         release_at: Iterable[str] = ("offloaded",),
+        allocated_total: Optional[Callable[[], int]] = None,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -115,6 +119,13 @@ class OffloadCoordinator:
         self._smallest_in_group = smallest_in_group
         self._recorder: Optional[auto_fraction.PhaseRecorder] = None
         self._iterations_done = 0
+        # Bytes ever allocated (the allocator's cumulative counter), to measure what one layer's
+        # backward allocates: that much free memory stays free while chunks reload (`_fitting`).
+        self._allocated_total = allocated_total or _allocator_stat(self.device, "allocated")
+        self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
+        self._workspace_mark: Optional[int] = None
+        self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
+        self._backwards = 0  # backwards begun this iteration
         self.fit_checks = 0  # calls of _free_block_sizes, and their host time
         self.fit_check_ms = 0.0
         self.reloads_deferred_for_fit = 0
@@ -334,6 +345,7 @@ class OffloadCoordinator:
         if ceiling is not None and chosen and self._free_block_sizes is not None:
             chosen = self._fitting(chosen)
         moved = sum(off.start_copy_in(chunks) for off, chunks in _by_offloader(chosen))
+        self._own_allocations += moved
         if moved:
             if self.phase is not Phase.RELOADING:
                 self._trace("reload_start")
@@ -341,16 +353,26 @@ class OffloadCoordinator:
         return moved
 
     def _fitting(self, chosen):
-        """The leading chunks of `chosen` that fit the allocator's free blocks as they are now.
+        """The leading chunks of `chosen` that fit the allocator's free blocks as they are now,
+        leaving the next layer's backward its workspace.
 
         Enough free *bytes* (the ceiling above) is not enough: the caching allocator never
         merges blocks across segments, so a chunk that fits no single free block gets a new
         segment and reserved memory grows for good. The blocks are assigned best-fit, as the
         allocator would. A chunk left out is retried at the next backward hook; the fallback in
         `grads_finalizing` reloads whatever is left, when the backward has released everything.
+
+        The workspace: each layer's backward allocates temporaries and frees them before the
+        next layer's (R1: four 256 MiB blocks per layer). A chunk placed in the holes the last
+        layer's temporaries left sends the next layer's to new memory: measured on R1 (session
+        11), the reserved peak of most iterations was set so, in the last backward, by 256 MiB
+        requests with 1.4-1.6 GiB mapped but free and no hole that took them. So after the
+        placement, the free blocks of at least WORKSPACE_MIN_BLOCK (or a chunk slot) must still hold what one layer's
+        backward allocated (`backward_workspace`, measured in the iteration's first backward).
         """
         start = time.perf_counter()
         blocks = sorted(self._free_block_sizes())
+        smallest_useful = min(WORKSPACE_MIN_BLOCK, self._slot())
         self.fit_checks += 1
         self.fit_check_ms += (time.perf_counter() - start) * 1e3
         fitted = []
@@ -358,13 +380,26 @@ class OffloadCoordinator:
             need = (chunk.gpu_nbytes + 511) // 512 * 512  # the allocator's rounding of large requests
             i = bisect.bisect_left(blocks, need)
             if i == len(blocks):
-                self.reloads_deferred_for_fit += len(chosen) - len(fitted)
                 break
-            rest = blocks.pop(i) - need
+            after = list(blocks)
+            rest = after.pop(i) - need
             if rest > 0:
-                bisect.insort(blocks, rest)
+                bisect.insort(after, rest)
+            if sum(b for b in after if b >= smallest_useful) < self.backward_workspace:
+                break
+            blocks = after
             fitted.append((off, chunk))
+        self.reloads_deferred_for_fit += len(chosen) - len(fitted)
         return fitted
+
+    def _sample_workspace(self) -> None:
+        """At a backward hook of the iteration's first backward: what the layer just finished
+        allocated (the allocator's cumulative counter, less the reloads' own chunks)."""
+        if self._workspace_mark is None:
+            return
+        now = self._allocated_total() - self._own_allocations
+        self.backward_workspace = max(self.backward_workspace, now - self._workspace_mark)
+        self._workspace_mark = now
 
     # ------------------------------------------------------------------------------------------
     # Training-loop lifecycle
@@ -465,7 +500,15 @@ class OffloadCoordinator:
 
     def backward_begin(self) -> None:
         self._mark("bwd_begin")
-        if self._window_open or self._train_forwards == 0:
+        if self._train_forwards == 0:
+            return
+        self._backwards += 1
+        # The first backward of each iteration measures the workspace (`_fitting`); a later one
+        # would count the same layers again. Its first interval includes the loss and output
+        # layer's backward, which the reloads started just below must also leave room for.
+        self._workspace_mark = (self._allocated_total() - self._own_allocations
+                                if self._backwards == 1 and self.phase is not Phase.NO_STATE else None)
+        if self._window_open:
             return
         expected = self.expected_forwards() if self.expected_forwards is not None else None
         if expected is not None and self._train_forwards >= expected:
@@ -480,6 +523,7 @@ class OffloadCoordinator:
         self._mark("bwd_end")
 
     def _on_layer_backward(self, grad, position: Optional[int] = None):
+        self._sample_workspace()
         if self._window_open and self.bytes_in(ChunkState.OFFLOADED):
             self._reload_up_to(self._reload_ceiling(), position=position)
         return None
@@ -584,6 +628,8 @@ class OffloadCoordinator:
         if self._step_level:
             self._last_step_level, self._step_level = self._step_level, 0
         self._train_forwards = 0
+        self._backwards = 0
+        self._workspace_mark = None
         self._window_open = False
         self._iterations_done += 1
         if self._recorder is not None:
@@ -644,7 +690,7 @@ class OffloadCoordinator:
                 self._free_stepped(over, keep_latest=not needed_now)
                 if self._resident_bytes() + chunk.gpu_nbytes > budget and not needed_now:
                     return
-            off.start_copy_in([chunk])
+            self._own_allocations += off.start_copy_in([chunk])
 
     def _free_stepped(self, nbytes: int, keep_latest: bool = True) -> None:
         """Free chunks the step copied out, oldest copy first, until `nbytes` are freed or none
@@ -926,7 +972,8 @@ def _free_block_reader(device: torch.device, stream) -> Optional[Callable[[], Li
 
 
 def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:
-    """Reader of the caching allocator's allocated bytes ("current" or "peak").
+    """Reader of the caching allocator's allocated bytes ("current", "peak", or "allocated": the
+    cumulative bytes ever allocated).
 
     `torch.cuda.memory_allocated()` flattens and sorts the allocator's ~100 statistics on every
     call (~125 us measured on H200); the hooks read one number up to ~60 times per iteration, so
@@ -941,6 +988,8 @@ def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:
             return lambda: raw(index)["allocated_bytes"]["all"][which]
         except (KeyError, TypeError, RuntimeError):
             pass
+    if which == "allocated":
+        return lambda: torch.cuda.memory_stats(index)["allocated_bytes.all.allocated"]
     public = torch.cuda.memory_allocated if which == "current" else torch.cuda.max_memory_allocated
     return lambda: public(index)
 

@@ -126,6 +126,7 @@ def summarize(run, warmup):
         "fit_checks": [r.get("fit_checks") for r in ranks],
         "fit_check_ms": [r.get("fit_check_ms") for r in ranks],
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
+        "backward_workspace_mib": [(r.get("backward_workspace") or 0) / 2**20 for r in ranks],
         "cache_releases": [r.get("cache_releases") for r in ranks],
         "cache_release_ms": [r.get("cache_release_ms") for r in ranks],
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
@@ -248,7 +249,8 @@ def report(results, ceilings):
                   f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
                   f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms; free-block checks "
                   f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all), reloads deferred "
-                  f"for fit {r['reloads_deferred_for_fit'][0]}; cached-memory releases {r['cache_releases'][0]} "
+                  f"for fit {r['reloads_deferred_for_fit'][0]} (backward workspace "
+                  f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB); cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); expandable segments {r['expandable_segments']}")
         print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "

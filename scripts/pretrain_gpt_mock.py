@@ -485,6 +485,7 @@ class Recorder:
                     "fit_checks": coord.fit_checks,
                     "fit_check_ms": coord.fit_check_ms,
                     "reloads_deferred_for_fit": coord.reloads_deferred_for_fit,
+                    "backward_workspace": coord.backward_workspace,
                     "cache_releases": coord.cache_releases,
                     "cache_release_ms": coord.cache_release_ms,
                 }

@@ -530,7 +530,8 @@ class SimulatedMemory:
         return self.max
 
 
-def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microbatches=2, trace=None):
+def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microbatches=2, trace=None,
+                        backward_layer=None):
     for mb in range(microbatches):
         if coord:
             coord.forward_begin(True)
@@ -549,6 +550,8 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
         mem.act -= logits_bytes
         mem.allocated()
         for h in reversed(range(LAYERS)):
+            if backward_layer is not None:
+                backward_layer()  # the layer after h ran its backward (its temporaries are freed)
             if coord:
                 coord._on_layer_backward(None, h)  # the gradient of layer h's output is ready
             mem.act -= layer_bytes
@@ -829,6 +832,48 @@ def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
     ev = coord.events
     assert coord.fit_checks > 0
     if fits:
+        assert ev.index("reload_start") < ev.index("grads_finalizing"), ev
+        assert coord.reloads_deferred_for_fit == 0
+    else:
+        assert ev.index("reload_start") > ev.index("grads_finalizing"), ev
+        assert coord.reloads_deferred_for_fit > 0
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+@pytest.mark.parametrize("room", [True, False])
+def test_reloads_leave_the_next_layers_backward_its_workspace(room, microbatches):
+    """What one layer's backward allocates (measured in the first backward, from the allocator's
+    cumulative counter, less the reloads' own chunks) must stay free in blocks it can use after a
+    reload's placement; otherwise the next layer's temporaries get new memory (R1: the reserved
+    peak of most iterations). With one microbatch the first backward is the reload window."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    blocks, temporaries = [], [0]
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       free_block_sizes=lambda: list(blocks), expected_forwards_per_iteration=lambda: microbatches,
+                       # Chunks only come back within a backward, so within one this counts them as
+                       # the allocator's cumulative counter would.
+                       allocated_total=lambda: temporaries[0] + coord.bytes_in(
+                           ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT))
+    coord.add_optimizer(opt)
+    workspace = 3 * 4096
+
+    def layer_temporaries():
+        temporaries[0] += workspace
+
+    for step in range(4):
+        slot = max((c.gpu_nbytes for c in coord.offloaders[0].chunks), default=0)
+        # One block: with room, it holds every chunk and the workspace; without, one chunk and half of it.
+        blocks[:] = [10 * slot + 2 * workspace] if room else [slot + workspace // 2]
+        coord.events.clear()
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, microbatches=microbatches)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microbatches=microbatches,
+                            backward_layer=layer_temporaries)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    assert coord.backward_workspace == workspace
+    ev = coord.events
+    if room:
         assert ev.index("reload_start") < ev.index("grads_finalizing"), ev
         assert coord.reloads_deferred_for_fit == 0
     else:
