@@ -92,6 +92,8 @@ class OffloadCoordinator:
         empty_cache: Optional[Callable[[], None]] = None,
         release_at: Iterable[str] = ("offloaded",),
         allocated_total: Optional[Callable[[], int]] = None,
+        keep_backward_workspace: bool = True,
+        host_waits_at_free: bool = True,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -122,6 +124,12 @@ class OffloadCoordinator:
         # Bytes ever allocated (the allocator's cumulative counter), to measure what one layer's
         # backward allocates: that much free memory stays free while chunks reload (`_fitting`).
         self._allocated_total = allocated_total or _allocator_stat(self.device, "allocated")
+        # False: reloads ignore the next layer's workspace (`_fitting`; the rule before session 11,
+        # kept as a switch so that the benchmark can measure both in one call).
+        self.keep_backward_workspace = keep_backward_workspace
+        # The forward's frees block the host until their copy-out is done (`_free_until`).
+        self.host_waits_at_free = host_waits_at_free
+        self.free_host_wait_ms = 0.0  # host time spent there
         self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
         self._workspace_mark: Optional[int] = None
         self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
@@ -266,7 +274,18 @@ class OffloadCoordinator:
             chosen.append((off, chunk))
             remaining -= chunk.gpu_nbytes
             self._freed_at[id(chunk)] = position
-        freed = sum(off.free(chunks) for off, chunks in _by_offloader(chosen))
+        # The host waits for the copy-out of what it frees, as the compute stream must. Why: a
+        # forward that needs the memory before the D2H is done stalls the GPU at this point; a host
+        # that does not stall with it runs ahead by the whole stall (R1 on one GPU: 227 ms per
+        # iteration) and enqueues the next backward and forward while their kernels cannot run.
+        # Memory freed meanwhile across streams (the weight gradients, which Megatron's DDP
+        # accumulates on a stream of its own) is only reusable once the GPU gets there, so the
+        # allocations made that far ahead find it taken and map new memory: reserved memory grows
+        # by up to a microbatch's gradients although allocated memory does not. Where the copy is
+        # already done, the wait costs nothing.
+        start = time.perf_counter()
+        freed = sum(off.free(chunks, host_waits=self.host_waits_at_free) for off, chunks in _by_offloader(chosen))
+        self.free_host_wait_ms += (time.perf_counter() - start) * 1e3
         self._freed_this_iter += freed
         if freed and not self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.OFFLOADED
@@ -395,7 +414,7 @@ class OffloadCoordinator:
     def _sample_workspace(self) -> None:
         """At a backward hook of the iteration's first backward: what the layer just finished
         allocated (the allocator's cumulative counter, less the reloads' own chunks)."""
-        if self._workspace_mark is None:
+        if self._workspace_mark is None or not self.keep_backward_workspace:
             return
         now = self._allocated_total() - self._own_allocations
         self.backward_workspace = max(self.backward_workspace, now - self._workspace_mark)

@@ -301,6 +301,12 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         # Where the release happens: an experiment knob for the benchmark (coordinator.RELEASE_POINTS).
         release_at=os.environ.get("MEGATRON_OFFLOAD_RELEASE_AT", "offloaded").split(","),
         smallest_in_group=_smallest_in_data_parallel_group() if auto else None,
+        # Experiment knobs for the benchmark: reloads without the workspace rule (`@nows`); no
+        # reload inside the backward, all of it at finalize_model_grads (`@reloadlate`: no free
+        # block ever fits).
+        keep_backward_workspace=os.environ.get("MEGATRON_OFFLOAD_WORKSPACE", "1") != "0",
+        free_block_sizes=(lambda: []) if os.environ.get("MEGATRON_OFFLOAD_BACKWARD_RELOADS") == "0" else None,
+        host_waits_at_free=os.environ.get("MEGATRON_OFFLOAD_HOST_WAIT", "1") != "0",  # (`@nohostwait`)
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")

@@ -579,12 +579,18 @@ class OptimizerStateOffloader:
         for start in range(0, dst.numel(), step):
             dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
 
-    def free(self, chunks: List[Chunk]) -> int:
-        """COPYING_OUT -> OFFLOADED: release the GPU storage of `chunks`. Returns bytes freed."""
+    def free(self, chunks: List[Chunk], host_waits: bool = False) -> int:
+        """COPYING_OUT -> OFFLOADED: release the GPU storage of `chunks`. Returns bytes freed.
+
+        host_waits: the host, too, waits for the copies still in flight (see
+            `OffloadCoordinator._free_until` for why the forward's frees do)."""
         if not chunks:
             return 0
         s = self.streams
         pending = [c.ready for c in chunks if c.ready is not None]
+        if pending and host_waits:
+            for ev in pending:
+                s.host_wait(ev)
         if pending:
             # Why: the allocator hands a freed block to the very next compute-stream allocation,
             # while the copy stream may still be reading it for the host copy. Holding the compute

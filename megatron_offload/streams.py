@@ -188,6 +188,12 @@ class CopyStreams:
         if event is not None and self.compute is not None:
             self.compute.wait_event(event)
 
+    @staticmethod
+    def host_wait(event) -> None:
+        """Block the calling (host) thread until `event` has completed."""
+        if event is not None:
+            event.synchronize()
+
 
 class _StreamContext:
     """`torch.cuda.stream(s)` that also yields the stream."""

@@ -49,6 +49,13 @@ MODIFIERS = {
     "relfwd": {"MEGATRON_OFFLOAD_RELEASE_AT": "offloaded,forward"},
     "relstep": {"MEGATRON_OFFLOAD_RELEASE_AT": "step_end"},
     "relwin": {"MEGATRON_OFFLOAD_RELEASE_AT": "offloaded,reload_window"},
+    # Reloads in the last backward without the workspace rule (coordinator._fitting, before 5eafd37).
+    "nows": {"MEGATRON_OFFLOAD_WORKSPACE": "0"},
+    # No reload inside the last backward: everything at finalize_model_grads (diagnostic).
+    "reloadlate": {"MEGATRON_OFFLOAD_BACKWARD_RELOADS": "0"},
+    # The forward's frees leave the host free to run ahead (only the compute stream waits for the
+    # copy-out): the behaviour before the host wait (coordinator._free_until).
+    "nohostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "0"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
@@ -57,7 +64,12 @@ MODIFIERS = {
     "again": {},
 }
 # Argument modifiers, appended the same way (e.g. offload@release).
-ARG_MODIFIERS = {"release": ["--offload-release-cached-memory"]}
+ARG_MODIFIERS = {
+    "release": ["--offload-release-cached-memory"],
+    # Free every chunk at the first layer of the first forward (a margin no budget can leave room
+    # for): no activation is ever placed among resident chunks (diagnostic; exposes the D2H).
+    "freeall": ["--offload-memory-margin-mb", "1000000"],
+}
 VARIANTS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],
@@ -129,6 +141,7 @@ def summarize(run, warmup):
         "backward_workspace_mib": [(r.get("backward_workspace") or 0) / 2**20 for r in ranks],
         "cache_releases": [r.get("cache_releases") for r in ranks],
         "cache_release_ms": [r.get("cache_release_ms") for r in ranks],
+        "free_host_wait_ms": [r.get("free_host_wait_ms") for r in ranks],
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
@@ -251,7 +264,8 @@ def report(results, ceilings):
                   f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all), reloads deferred "
                   f"for fit {r['reloads_deferred_for_fit'][0]} (backward workspace "
                   f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB); cached-memory releases {r['cache_releases'][0]} "
-                  f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); expandable segments {r['expandable_segments']}")
+                  f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
+                  f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; expandable segments {r['expandable_segments']}")
         print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
@@ -268,6 +282,9 @@ def main(argv=None):
     p.add_argument("--variants", default="baseline,offload")
     p.add_argument("--out", default="/tmp/megatron_offload_bench")
     p.add_argument("--extra", default="")
+    p.add_argument("--gbs", type=int, default=None,
+                   help="global batch size instead of the preset's (e.g. R1's 4 microbatches per rank on one "
+                        "GPU: --nproc 1 --gbs 8)")
     p.add_argument("--gbps", type=float, default=None,
                    help="PCIe GB/s per direction for the planner (default: measured, see --no-ceilings)")
     p.add_argument("--both-gbps", type=float, default=None,
@@ -293,7 +310,8 @@ def main(argv=None):
     env_extra.setdefault("MEGATRON_OFFLOAD_TIMELINE_AT",
                          opts.timeline_at if opts.timeline_at is not None else ",".join(map(str, marked)))
     os.makedirs(opts.out, exist_ok=True)
-    base = model_args(opts.iters, **PRESETS[opts.preset]) + PRESET_ARGS.get(opts.preset, []) + opts.extra.split()
+    preset = dict(PRESETS[opts.preset], **({"gbs": opts.gbs} if opts.gbs else {}))
+    base = model_args(opts.iters, **preset) + PRESET_ARGS.get(opts.preset, []) + opts.extra.split()
     ceilings = None
     if not opts.no_ceilings:
         # In a subprocess: a CUDA context in this driver would sit on GPU 0 during the runs.
@@ -333,7 +351,7 @@ def main(argv=None):
     planned = compare_with_planner(results, opts.gbps, opts.both_gbps,
                                    alone=planner_rates(ceilings, together=False))
     with open(os.path.join(opts.out, "benchmark.json"), "w") as f:
-        json.dump({"preset": opts.preset, "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
+        json.dump({"preset": opts.preset, "gbs": preset["gbs"], "nproc": opts.nproc, "iters": opts.iters, "warmup": opts.warmup,
                    "env": env_extra, "planner": planned, "ceilings": ceilings,
                    "args": base, "results": results}, f, indent=1)
 

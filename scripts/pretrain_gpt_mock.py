@@ -488,6 +488,7 @@ class Recorder:
                     "backward_workspace": coord.backward_workspace,
                     "cache_releases": coord.cache_releases,
                     "cache_release_ms": coord.cache_release_ms,
+                    "free_host_wait_ms": coord.free_host_wait_ms,
                 }
         except ImportError:
             pass

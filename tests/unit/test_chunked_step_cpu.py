@@ -369,11 +369,11 @@ def test_chunked_step_frees_a_chunk_only_one_piece_after_its_copy_out(budget_chu
         original_after(o, k)
         within.append(coord._resident_bytes() <= coord._step_budget_now)
 
-    def free(chunks):
+    def free(chunks, **kw):
         if coord.phase is Phase.STEPPING:
             for chunk in chunks:
                 lags.append(len(stepped) - 1 - stepped.index(chunk))
-        return original_free(chunks)
+        return original_free(chunks, **kw)
 
     coord._after_piece, off.free = after_piece, free
     for step in range(3):

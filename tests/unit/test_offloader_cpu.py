@@ -272,7 +272,7 @@ def test_copy_out_and_free_go_from_the_highest_address_down(layout, monkeypatch)
     copy_pieces, free = off._copy_pieces, off.free
     monkeypatch.setattr(off, "_copy_pieces", lambda dst, src: (copied.append(
         next(c for c in off.chunks if c.host is dst)), copy_pieces(dst, src)))
-    monkeypatch.setattr(off, "free", lambda chunks: (freed.extend(chunks), free(chunks))[1])
+    monkeypatch.setattr(off, "free", lambda chunks, **kw: (freed.extend(chunks), free(chunks, **kw))[1])
     coord.start_pending_copy_out()
     for _ in range(n):
         coord._free_until(coord.bytes_in(ChunkState.COPYING_OUT) - 1)  # one chunk at a time
@@ -839,13 +839,16 @@ def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
         assert coord.reloads_deferred_for_fit > 0
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["workspace", "no-workspace-rule"])
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("room", [True, False])
-def test_reloads_leave_the_next_layers_backward_its_workspace(room, microbatches):
+def test_reloads_leave_the_next_layers_backward_its_workspace(room, microbatches, keep):
     """What one layer's backward allocates (measured in the first backward, from the allocator's
     cumulative counter, less the reloads' own chunks) must stay free in blocks it can use after a
     reload's placement; otherwise the next layer's temporaries get new memory (R1: the reserved
-    peak of most iterations). With one microbatch the first backward is the reload window."""
+    peak of most iterations). With one microbatch the first backward is the reload window.
+    `keep_backward_workspace=False` (the benchmark's `@nows`) is the rule before: one chunk that
+    fits a free block reloads in the window even if it leaves no workspace."""
     layer_bytes, logits_bytes = 40_000, 30_000
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
@@ -855,7 +858,8 @@ def test_reloads_leave_the_next_layers_backward_its_workspace(room, microbatches
                        # Chunks only come back within a backward, so within one this counts them as
                        # the allocator's cumulative counter would.
                        allocated_total=lambda: temporaries[0] + coord.bytes_in(
-                           ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT))
+                           ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT),
+                       keep_backward_workspace=keep)
     coord.add_optimizer(opt)
     workspace = 3 * 4096
 
@@ -871,11 +875,11 @@ def test_reloads_leave_the_next_layers_backward_its_workspace(room, microbatches
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microbatches=microbatches,
                             backward_layer=layer_temporaries)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
-    assert coord.backward_workspace == workspace
+    assert coord.backward_workspace == (workspace if keep else 0)
     ev = coord.events
-    if room:
+    if room or not keep:
         assert ev.index("reload_start") < ev.index("grads_finalizing"), ev
-        assert coord.reloads_deferred_for_fit == 0
+        assert coord.reloads_deferred_for_fit == 0 or not keep
     else:
         assert ev.index("reload_start") > ev.index("grads_finalizing"), ev
         assert coord.reloads_deferred_for_fit > 0
