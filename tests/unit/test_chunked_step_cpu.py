@@ -485,3 +485,41 @@ def test_state_seen_on_the_host_by_a_save_points_back_at_the_gpu_by_the_next_for
     assert seen and not any(seen)
     coord.close()
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+def test_the_chunked_steps_own_frees_do_not_make_the_host_wait():
+    """The chunked step frees a chunk one piece after its copy-out was enqueued; a host wait there
+    would hold back the next pieces' copies and Adam (the pipeline runs on the GPU). Only the
+    forward's frees make the host wait (coordinator._free_until)."""
+    from test_offloader_cpu import make_coord
+
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    level = [0]
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, step_budget_bytes=3 * 2048,
+                       memory_allocated=lambda: level[0], max_memory_allocated=lambda: level[0],
+                       free_block_sizes=lambda: [2**40])
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    phases = []
+
+    class Event:
+        def synchronize(self):
+            phases.append(coord.phase)
+
+    coord.streams.record = lambda stream: Event()
+    in_step_frees = []
+    original_free_stepped = coord._free_stepped
+
+    def free_stepped(nbytes, keep_latest=True):
+        before = coord.bytes_in(ChunkState.OFFLOADED)
+        original_free_stepped(nbytes, keep_latest)
+        in_step_frees.append(coord.bytes_in(ChunkState.OFFLOADED) - before)
+
+    coord._free_stepped = free_stepped
+    for step in range(3):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        chunked_iteration(opt, coord, step, level=level)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    assert sum(in_step_frees) > 0  # the step did free chunks it had copied out
+    assert phases and Phase.STEPPING not in phases, phases  # the forward's frees waited, the step's did not

@@ -1005,3 +1005,37 @@ def test_release_points_each_release_once_where_they_say():
     with pytest.raises(ValueError, match="unknown release point"):
         make_coord(release_at=("mid_step",))
     coord.close()
+
+
+class _CopyEvent:
+    """Stands in for a CUDA event recorded after a copy (CPU copies are synchronous)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self):
+        self.log.append(self)
+
+
+@pytest.mark.parametrize("host_waits", [True, False])
+def test_the_forwards_frees_make_the_host_wait_for_the_copy_out(host_waits):
+    """A free in the forward stalls the compute stream until the chunk's D2H is done; the host
+    waits for it too (else it runs ahead by the stall, and reserved memory grows: measured on one
+    H200), once per copy the free waits for, and never when nothing is in flight."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       host_waits_at_free=host_waits)
+    coord.add_optimizer(opt)
+    waited = []
+    coord.streams.record = lambda stream: _CopyEvent(waited)  # every copy "records" an event
+    for step in range(3):
+        waited.clear()
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    # The last iteration's copy-out: one event per chunk, each freed in the forward.
+    chunks = len(coord.offloaders[0].chunks)
+    assert chunks > 1
+    assert len(waited) == (chunks if host_waits else 0), (len(waited), chunks)
