@@ -306,7 +306,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         # block ever fits).
         keep_backward_workspace=os.environ.get("MEGATRON_OFFLOAD_WORKSPACE", "1") != "0",
         free_block_sizes=(lambda: []) if os.environ.get("MEGATRON_OFFLOAD_BACKWARD_RELOADS") == "0" else None,
-        host_waits_at_free=os.environ.get("MEGATRON_OFFLOAD_HOST_WAIT", "1") != "0",  # (`@nohostwait`)
+        host_waits_at_free=os.environ.get("MEGATRON_OFFLOAD_HOST_WAIT", "0") == "1",  # (`@hostwait`)
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")

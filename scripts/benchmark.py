@@ -53,8 +53,8 @@ MODIFIERS = {
     "nows": {"MEGATRON_OFFLOAD_WORKSPACE": "0"},
     # No reload inside the last backward: everything at finalize_model_grads (diagnostic).
     "reloadlate": {"MEGATRON_OFFLOAD_BACKWARD_RELOADS": "0"},
-    # The forward's frees leave the host free to run ahead (only the compute stream waits for the
-    # copy-out): the behaviour before the host wait (coordinator._free_until).
+    # The forward's frees make the host wait for their copy-out too (coordinator._free_until).
+    "hostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "1"},
     "nohostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "0"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).

@@ -490,14 +490,14 @@ def test_state_seen_on_the_host_by_a_save_points_back_at_the_gpu_by_the_next_for
 def test_the_chunked_steps_own_frees_do_not_make_the_host_wait():
     """The chunked step frees a chunk one piece after its copy-out was enqueued; a host wait there
     would hold back the next pieces' copies and Adam (the pipeline runs on the GPU). Only the
-    forward's frees make the host wait (coordinator._free_until)."""
+    forward's frees make the host wait (coordinator._free_until, `host_waits_at_free`)."""
     from test_offloader_cpu import make_coord
 
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
     level = [0]
     coord = make_coord(chunk_bytes=2048, chunked_step=True, step_budget_bytes=3 * 2048,
                        memory_allocated=lambda: level[0], max_memory_allocated=lambda: level[0],
-                       free_block_sizes=lambda: [2**40])
+                       free_block_sizes=lambda: [2**40], host_waits_at_free=True)
     coord.add_optimizer(opt)
     coord.offload_existing_state()
     phases = []

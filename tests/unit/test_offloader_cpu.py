@@ -1019,9 +1019,9 @@ class _CopyEvent:
 
 @pytest.mark.parametrize("host_waits", [True, False])
 def test_the_forwards_frees_make_the_host_wait_for_the_copy_out(host_waits):
-    """A free in the forward stalls the compute stream until the chunk's D2H is done; the host
-    waits for it too (else it runs ahead by the stall, and reserved memory grows: measured on one
-    H200), once per copy the free waits for, and never when nothing is in flight."""
+    """With `host_waits_at_free` (off by default) a free in the forward, which stalls the compute
+    stream until the chunk's D2H is done, makes the host wait for that copy too, once per copy in
+    flight; without it the host never waits there."""
     layer_bytes, logits_bytes = 40_000, 30_000
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
