@@ -94,6 +94,7 @@ class OffloadCoordinator:
         allocated_total: Optional[Callable[[], int]] = None,
         keep_backward_workspace: bool = True,
         host_waits_at_free: bool = False,
+        host_loads: bool = True,
     ):
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -166,7 +167,12 @@ class OffloadCoordinator:
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
         self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
-        self._host_reads = 0  # depth of those accesses that read exposed host copies
+        # One entry per state access in progress (nested ones inside others): "host_read" or
+        # "host_write" where it runs on the exposed host copies, "gpu" where it took the state back.
+        self._accesses: List[str] = []
+        # Writers may run on the host copies (`before_state_access`); off where the load path
+        # needs the state on the GPU (e.g. Megatron's fully parallel load exchanges it over NCCL).
+        self.host_loads = host_loads
 
         # Per-iteration counters.
         self._train_forwards = 0
@@ -826,23 +832,37 @@ class OffloadCoordinator:
     # ------------------------------------------------------------------------------------------
     def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool,
                             host_copies_ok: bool = False) -> None:
-        """A reader or writer of `off`'s state outside the step is about to run. Writers and
-        readers that need the state on the GPU get it back; readers that accept CPU tensors
-        (`host_copies_ok`: a checkpoint save), and any reader nested in one, see what is off the
-        GPU on the host instead (`expose_host_copies`): no moment puts the state back at once."""
+        """A reader or writer of `off`'s state outside the step is about to run. Accesses that
+        accept CPU tensors (`host_copies_ok`), and any access nested in one, run on the host
+        copies (`expose_host_copies`), so that no moment puts the state back on the GPU at once:
+        a reader (a checkpoint save) sees what is off the GPU on the host; a writer (a checkpoint
+        load, `reload_model_params`) first sends everything out (`send_out_now`), then writes into
+        the pinned buffer, where optimizers that write in place allow it
+        (`OptimizerStateOffloader.host_writes_supported`). Other accesses get the state back."""
         self._suspended += 1
-        if not will_modify and (host_copies_ok or self._host_reads):
-            self._host_reads += 1
+        on_host = host_copies_ok or (bool(self._accesses) and self._accesses[-1] != "gpu")
+        if on_host and not will_modify:
+            self._accesses.append("host_read")
             off.expose_host_copies()
             return
+        if on_host and self.host_loads and off.host_writes_supported():
+            self._accesses.append("host_write")
+            if off in self._copy_out_due:
+                self._copy_out_due.remove(off)  # (stepped, still resident: sent out just below)
+            off.send_out_now()
+            off.expose_host_copies()
+            self._trace(f"host_write:{off.name}")
+            return
+        self._accesses.append("gpu")
         self._take_back(off, will_modify)
 
     def _hide_host_copies(self) -> None:
         """A save that read state on the host (`before_state_access`) has finished writing by the
-        next forward (Megatron's save is synchronous; async save is refused): the tensors still
-        off the GPU point back at their GPU buffers before anything treats them as GPU tensors."""
-        if self._host_reads:
-            return  # still inside a reader
+        next forward (Megatron's save is synchronous; async save is refused), and so has a load
+        that wrote there: the tensors still off the GPU point back at their GPU buffers before
+        anything treats them as GPU tensors."""
+        if self._accesses:
+            return  # still inside a reader or writer
         for off in self.offloaders:
             if off.hide_host_copies():
                 self._trace(f"host_copies_hidden:{off.name}")
@@ -883,10 +903,15 @@ class OffloadCoordinator:
 
     def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
         self._suspended -= 1
-        if self._host_reads and not modified:
-            # What was exposed stays on the host until the next forward (the save may still read
-            # it: `_hide_host_copies`); what was resident is sent out as after any reader.
-            self._host_reads -= 1
+        kind = self._accesses.pop()
+        if kind == "host_write":
+            # What it wrote is in the host copies, which stay exposed until the next forward
+            # (dist-checkpointing fills a load template after `sharded_state_dict` returned).
+            off.accept_host_writes()
+            self.phase = Phase.FREEING if self._chunks(ChunkState.COPYING_OUT) else Phase.OFFLOADED
+            return
+        # A host reader leaves what was exposed on the host until the next forward (the save may
+        # still read it: `_hide_host_copies`); what was resident is sent out as after any reader.
         if modified:
             # Tensors may have been created (dummy step) or replaced (load): find them again
             # and send the loaded values out.

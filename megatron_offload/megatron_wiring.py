@@ -7,6 +7,8 @@ unmodified megatron-core 0.19 installation:
                                                           running Megatron defines them itself)
   megatron.training.arguments.validate_args           -> our checks, before any GPU allocation
   megatron.training.training.setup_model_and_optimizer -> attaches the offloaders and layer hooks
+  megatron.training.training.get_megatron_optimizer    -> ... as soon as the optimizer exists,
+                                                          before a resume loads into it
   megatron.training.training.finalize_model_grads     -> fallback reload trigger
   megatron.training.training.training_log             -> transfer statistics each log interval
   megatron.core.pipeline_parallel.schedules.forward_step / backward_step -> iteration pacing
@@ -49,6 +51,11 @@ STATE_WRITERS = (
     "offload_to_cpu",
     "restore_from_cpu",
 )
+# Those that may run on the host copies of what is off the GPU (coordinator.before_state_access):
+# a torch_dist save or load (`sharded_state_dict`, then `load_state_dict`), and the masters'
+# refresh from the model after a model-only load. The legacy per-file load and Megatron's own
+# CPU round trip (RL) get the state back first.
+HOST_ACCESS_OK = ("sharded_state_dict", "load_state_dict", "reload_model_params")
 
 # `--offload-state-fraction auto` measures this iteration: the first has start-up costs, the
 # second is the first with the coordinator's memory profile.
@@ -201,7 +208,7 @@ def iter_distributed_optimizers(optimizer) -> Iterator:
 
 
 def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
-    def wrap(name: str, writes, host_copies_ok=lambda modifies: False):
+    def wrap(name: str, writes):
         original = getattr(dist_opt, name, None)
         if original is None:
             return
@@ -209,7 +216,7 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
             modifies = writes(args, kwargs)
-            coord.before_state_access(off, will_modify=modifies, host_copies_ok=host_copies_ok(modifies))
+            coord.before_state_access(off, will_modify=modifies, host_copies_ok=name in HOST_ACCESS_OK)
             try:
                 return original(*args, **kwargs)
             finally:
@@ -224,9 +231,8 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
     # sharded_state_dict(model_sharded_state_dict, is_loading=False, ...): a load template is
     # filled in place by dist_checkpointing.load, so loading counts as a write. A save only
     # references the tensors, which dist-checkpointing writes from the host anyway: what is off
-    # the GPU is saved from its host copy (with the chunked step, most of the state).
-    wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)),
-         host_copies_ok=lambda modifies: not modifies)
+    # the GPU is saved from its host copy, and loaded into it.
+    wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
 
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -307,6 +313,8 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         keep_backward_workspace=os.environ.get("MEGATRON_OFFLOAD_WORKSPACE", "1") != "0",
         free_block_sizes=(lambda: []) if os.environ.get("MEGATRON_OFFLOAD_BACKWARD_RELOADS") == "0" else None,
         host_waits_at_free=os.environ.get("MEGATRON_OFFLOAD_HOST_WAIT", "0") == "1",  # (`@hostwait`)
+        # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
+        host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
@@ -387,15 +395,27 @@ def _wrap_validate_args(original):
     return wrapper
 
 
+# True while setup_model_and_optimizer runs with the flag on and nothing attached yet: the
+# optimizer it builds gets its offloaders at once (`_wrap_get_megatron_optimizer`).
+_attach_at_build = False
+
+
 def _wrap_setup_model_and_optimizer(original):
     @functools.wraps(original)
     def wrapper(*a, **k):
+        global _attach_at_build
         from megatron.training.global_vars import get_args
 
-        model, optimizer, scheduler = original(*a, **k)
         args = get_args()
-        if getattr(args, "offload_optimizer_states", False) and not _stepped_aside and optimizer is not None:
-            attach(model, optimizer, args)
+        wanted = getattr(args, "offload_optimizer_states", False) and not _stepped_aside
+        _attach_at_build = wanted
+        try:
+            model, optimizer, scheduler = original(*a, **k)
+        finally:
+            _attach_at_build = False
+        if wanted and optimizer is not None:
+            if coordinator is None or not _attached_to(optimizer):
+                attach(model, optimizer, args)  # (built some other way: attach after the load)
             from megatron.core.utils import get_model_config
 
             config = get_model_config(model[0] if isinstance(model, list) else model)
@@ -404,6 +424,33 @@ def _wrap_setup_model_and_optimizer(original):
         return model, optimizer, scheduler
 
     return wrapper
+
+
+def _wrap_get_megatron_optimizer(original):
+    """Attach as soon as setup_model_and_optimizer has built the optimizer, before it loads a
+    checkpoint: the state is sent out chunk by chunk at once, and the resume's load then writes
+    into the host copies (coordinator.before_state_access) instead of putting the whole state on
+    the GPU (the moments a load allocates would otherwise be the start-up's peak where the step
+    is the iteration's, e.g. with full recompute and --offload-chunked-step)."""
+
+    @functools.wraps(original)
+    def wrapper(config, model_chunks, *a, **k):
+        global _attach_at_build
+        optimizer = original(config, model_chunks, *a, **k)
+        if _attach_at_build and optimizer is not None:
+            from megatron.training.global_vars import get_args
+
+            _attach_at_build = False  # once per setup
+            attach(model_chunks, optimizer, get_args())
+        return optimizer
+
+    return wrapper
+
+
+def _attached_to(optimizer) -> bool:
+    """Whether the current coordinator offloads `optimizer`'s DistributedOptimizers."""
+    ours = {id(off.dist_opt) for off in coordinator.offloaders}
+    return all(id(d) in ours for d in iter_distributed_optimizers(optimizer))
 
 
 def _wrap_finalize(original):
@@ -596,6 +643,7 @@ def install() -> None:
     _patch(arguments, "add_megatron_arguments", _wrap_add_megatron_arguments)
     _patch(arguments, "validate_args", _wrap_validate_args)
     _patch(training, "setup_model_and_optimizer", _wrap_setup_model_and_optimizer)
+    _patch(training, "get_megatron_optimizer", _wrap_get_megatron_optimizer)
     _patch(training, "finalize_model_grads", _wrap_finalize)
     _patch(training, "training_log", _wrap_training_log)
     _patch(training, "calc_params_l2_norm", _wrap_calc_params_l2_norm)

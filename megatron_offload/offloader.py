@@ -33,7 +33,7 @@ from typing import List, Optional
 
 import torch
 
-from .discovery import Discovery, StateTensor, find_state_tensors
+from .discovery import OFFLOADED_STATE_KEYS, Discovery, StateTensor, find_state_tensors
 from .host_buffer import PinnedHostBuffer, align_up
 from .streams import CopyStreams
 
@@ -498,6 +498,64 @@ class OptimizerStateOffloader:
             self._point_at(chunk, chunk.host)
             chunk.on_host = True
         return len(chunks)
+
+    def host_writes_supported(self) -> bool:
+        """Whether a writer of the whole state (a checkpoint load, `reload_model_params`) can run
+        on the host copies (`expose_host_copies`) and leave the tensors it wrote where they are.
+
+        That holds where the writer writes into the state tensors rather than replacing them, and
+        keeps them where they are: torch Adam/AdamW (the optimizer megatron-core uses without TE
+        or Apex), whose `load_state_dict` moves each state tensor to its parameter's device and
+        dtype, i.e. keeps ours if the parameter is a master that is on the host too. So: every
+        offloaded moment belongs to an offloaded master (not to an fp32 model parameter, which
+        stays on the GPU), nothing is kept resident by `fraction`, no fused/capturable Adam (their
+        `step` follows the parameter's device). TE FusedAdam rebuilds its state on load: no."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        if inner is None or type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            return False
+        if self.kept or not self.chunks:
+            return False
+        if any(group.get("fused") or group.get("capturable") for group in inner.param_groups):
+            return False
+        masters = {id(st.tensor) for c in self.chunks for st in c.tensors if st.name.endswith(".master")}
+        return all(id(st.param) in masters for c in self.chunks for st in c.tensors)
+
+    def send_out_now(self) -> None:
+        """Every chunk OFFLOADED with a current host copy, without allocating on the GPU: the
+        chunks still resident are copied out if their host copy is stale and freed, those coming
+        back (their host copy is what they load) are freed once their H2D is done. The host does
+        not wait here; `expose_host_copies` does."""
+        self.settle_unmodified()  # COPYING_IN / RESIDENT -> COPYING_OUT, D2H where stale
+        self.free(self.chunks_in(ChunkState.COPYING_OUT))
+
+    def accept_host_writes(self) -> None:
+        """A writer has run on the exposed host copies (`host_writes_supported`): what it wrote
+        is in the pinned buffer, which is now the state. The chunks stay OFFLOADED; their host
+        copies are current, so the next reload brings the written values and no D2H is owed."""
+        if not self._state_tensors_unchanged():
+            raise RuntimeError(
+                f"megatron-offload: a writer of {self.name}'s optimizer state replaced state tensors "
+                "while they were on the host; the state cannot be trusted. Please report this with "
+                "your optimizer configuration.")
+        for chunk in self.chunks:
+            assert chunk.state is ChunkState.OFFLOADED and chunk.on_host, chunk
+            chunk.host_valid = True
+        self._signature = self.state_signature()
+
+    def _state_tensors_unchanged(self) -> bool:
+        """Whether the inner optimizer holds exactly the state tensors we packed (same objects)."""
+        inner = self.dist_opt.optimizer
+        masters = {id(t) for group in getattr(self.dist_opt, "shard_fp32_from_float16_groups", []) for t in group
+                   if t is not None}
+        current = set()
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if id(p) in masters:
+                    current.add(id(p))
+                for key, value in inner.state.get(p, {}).items():
+                    if key in OFFLOADED_STATE_KEYS and isinstance(value, torch.Tensor):
+                        current.add(id(value))
+        return current == {id(st.tensor) for c in self.chunks for st in c.tensors}
 
     def hide_host_copies(self) -> int:
         """Undo `expose_host_copies` for chunks still OFFLOADED: point their tensors back at the

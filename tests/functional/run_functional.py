@@ -102,6 +102,17 @@ def main(argv=None):
             for r in range(opts.nproc):
                 check(f"{name}: rank {r} final params identical",
                       runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
+            if name != "resume_plain" and "offload" in runs:
+                # The plugin attaches before the resume's load, which writes into the host copies:
+                # start-up holds no more than a fresh start with offloading (a quarter of the state
+                # of slack; the moments that a load on the GPU allocates are two thirds of it).
+                for r in range(opts.nproc):
+                    fresh, resumed = (runs[n]["ranks"][r]["startup_peak"]["max_allocated"] for n in ("offload", name))
+                    state = runs[name]["ranks"][r].get("offloaded_bytes", 0)
+                    check(f"{name}: rank {r} the load brought no optimizer state to the GPU",
+                          state > 0 and resumed <= fresh + state // 4,
+                          f"(start-up peak {resumed / 2**30:.2f} GiB, fresh start {fresh / 2**30:.2f} GiB, "
+                          f"state {state / 2**30:.2f} GiB)")
 
     print("\n| case | seconds | peak reserved GiB per rank | offloaded GiB per rank | pinned GiB per rank |")
     print("|---|---|---|---|---|")

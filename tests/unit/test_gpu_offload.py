@@ -79,10 +79,10 @@ def batch(step, microbatch):
 
 
 def train(model, optimizer, coord=None, steps=6, microbatches=2, on_forward_end=None, poison_steps=(),
-          around_step=None):
+          around_step=None, first_step=0):
     """A minimal Megatron-style loop reporting to the coordinator. Returns per-step losses."""
     losses, skipped = [], []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         model.zero_grad_buffer()
         optimizer.zero_grad()
         total = 0.0
@@ -394,4 +394,61 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16):
     assert coord.step_budgets and all(b == 2 * slot for b in coord.step_budgets)
     if fp16:
         assert any(e.startswith("skipped:") for e in coord.events)
+    coord.close()
+
+
+def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path):
+    """A torch_dist checkpoint (megatron.core.dist_checkpointing, dp_reshardable as Megatron
+    saves it) loaded into a running, offloading DistributedOptimizer: the template's tensors are
+    the host copies, so the load sends the state out and brings none of it back (allocated memory
+    drops by the state, and the load's own peak stays at the level before it), and training
+    continues exactly as the run that saved it: the same losses, parameters and optimizer state."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_offload import megatron_wiring
+
+    # What install() fixes in megatron-core 0.19's torch-AdamW fallback (per-parameter `step`
+    # after a load): without it the resumed run differs, offloading or not.
+    megatron_wiring._patch(DistributedOptimizer, "state_dict", megatron_wiring._wrap_distopt_state_dict)
+    megatron_wiring._patch(DistributedOptimizer, "load_state_dict", megatron_wiring._wrap_distopt_load_state_dict)
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+    def sharded(model, optimizer, is_loading):
+        state = {"model": model.sharded_state_dict(metadata=metadata)}
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
+        return state
+
+    model_a, opt_a = build()
+    train(model_a, opt_a, steps=3)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    dist_checkpointing.save(sharded(model_a, opt_a, False), str(ckpt))
+    want, _ = train(model_a, opt_a, steps=3, first_step=3)
+    want_digest = digest(model_a, opt_a)
+
+    model_b, opt_b = build(seed=4321)  # other weights: everything must come from the checkpoint
+    coord = attach(model_b, opt_b)
+    for off in coord.offloaders:
+        megatron_wiring._wrap_state_access(coord, off, off.dist_opt)
+    train(model_b, opt_b, coord, steps=2)  # stepped: the state is resident, its copy-out due
+    assert all(off.host_writes_supported() for off in coord.offloaders)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loaded = dist_checkpointing.load(sharded(model_b, opt_b, True), str(ckpt))
+    model_b.load_state_dict(loaded["model"])
+    opt_b.load_state_dict(loaded["optimizer"])
+    torch.cuda.synchronize()
+    assert any(e.startswith("host_write:") for e in coord.events)
+    assert all(c.state is ChunkState.OFFLOADED and c.host_valid for off in coord.offloaders for c in off.chunks)
+    assert torch.cuda.memory_allocated() <= before - 0.9 * coord.state_bytes, (before, torch.cuda.memory_allocated())
+    # (DCP's own temporaries for the model's tensors are on the GPU; the state would be all of it.)
+    assert torch.cuda.max_memory_allocated() <= before + 0.25 * coord.state_bytes, (
+        (torch.cuda.max_memory_allocated() - before) / 2**20)
+    got, _ = train(model_b, opt_b, coord, steps=3, first_step=3)
+    assert got == want
+    assert digest(model_b, opt_b, coord) == want_digest
     coord.close()

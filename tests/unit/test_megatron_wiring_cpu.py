@@ -41,7 +41,7 @@ def test_install_is_idempotent_and_wraps_by_module_attribute():
     megatron_offload.install()
     assert arguments.add_megatron_arguments is before
     for fn in (arguments.add_megatron_arguments, arguments.validate_args,
-               training.setup_model_and_optimizer, training.finalize_model_grads,
+               training.setup_model_and_optimizer, training.get_megatron_optimizer, training.finalize_model_grads,
                training.calc_params_l2_norm, schedules.forward_step, schedules.backward_step):
         assert getattr(fn, "_megatron_offload", False), fn
 
@@ -251,3 +251,44 @@ def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatc
     seen.clear()
     Coord.chunked_step = False
     assert norm(None) == 1.5 and seen == ["norm"]
+
+
+@pytest.mark.parametrize("built_by_name", [True, False])
+def test_offloaders_attach_when_the_optimizer_is_built_before_a_resume_loads(monkeypatch, built_by_name):
+    """setup_model_and_optimizer builds the optimizer, then loads a checkpoint into it: with the
+    flag on, the plugin attaches in between (so the load writes into the host copies), once; an
+    optimizer built some other way gets it after setup, as before; without the flag, never."""
+    import types
+
+    import megatron.training.global_vars as global_vars
+
+    order = []
+    model = [types.SimpleNamespace(config=types.SimpleNamespace(finalize_model_grads_func=None))]
+    optimizer = object()
+    get_optimizer = megatron_wiring._wrap_get_megatron_optimizer(lambda config, chunks: optimizer)
+
+    def setup():
+        opt = get_optimizer("config", model) if built_by_name else optimizer
+        order.append("load_checkpoint")
+        return model, opt, None
+
+    def attach(m, opt, args):
+        order.append("attach")
+        monkeypatch.setattr(megatron_wiring, "coordinator", types.SimpleNamespace(offloaders=[]))
+
+    monkeypatch.setattr(megatron_wiring, "attach", attach)
+    monkeypatch.setattr(megatron_wiring, "_attached_to", lambda opt: opt is optimizer and "attach" in order)
+    monkeypatch.setattr(megatron_wiring, "coordinator", None)
+    for flag in (True, False):
+        order.clear()
+        monkeypatch.setattr(megatron_wiring, "coordinator", None)
+        monkeypatch.setattr(global_vars, "get_args", lambda: argparse.Namespace(offload_optimizer_states=flag))
+        assert megatron_wiring._wrap_setup_model_and_optimizer(setup)()[1] is optimizer
+        if not flag:
+            assert order == ["load_checkpoint"]
+        elif built_by_name:
+            assert order == ["attach", "load_checkpoint"]
+        else:
+            assert order == ["load_checkpoint", "attach"]
+    get_optimizer("config", model)  # outside setup: never attaches
+    assert order == ["load_checkpoint"]

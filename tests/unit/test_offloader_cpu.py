@@ -1039,3 +1039,172 @@ def test_the_forwards_frees_make_the_host_wait_for_the_copy_out(host_waits):
     chunks = len(coord.offloaders[0].chunks)
     assert chunks > 1
     assert len(waited) == (chunks if host_waits else 0), (len(waited), chunks)
+
+
+def fake_checkpoint_api(opt):
+    """DistributedOptimizer's checkpoint methods as a torch_dist load uses them, on a fake:
+    `sharded_state_dict(is_loading=True)` runs `load_state_dict(state_dict())` nested (as 0.19's
+    does) and returns a template referencing the live state tensors, which dist-checkpointing then
+    fills in place; `load_state_dict` loads the inner torch optimizer's own state dict (torch keeps
+    each tensor whose device and dtype match its parameter's) and copies in the values of
+    `opt.loaded` (index -> {"param"|key: tensor}; `_set_main_param_and_optimizer_states`)."""
+    opt.loaded = None
+
+    def template():
+        return {i: {"param": p, **{k: v for k, v in opt.optimizer.state[p].items() if k != "step"}}
+                for i, p in enumerate(opt.all_params())}
+
+    def sharded_state_dict(model_sharded_state_dict, is_loading=False):
+        if is_loading:
+            opt.load_state_dict(opt.state_dict())
+        return template()
+
+    def state_dict():
+        return opt.optimizer.state_dict()
+
+    def load_state_dict(state_dict):
+        opt.optimizer.load_state_dict(opt.optimizer.state_dict())
+        for i, tensors in template().items():
+            for k, t in tensors.items():
+                if opt.loaded is not None:
+                    t.detach().copy_(opt.loaded[i][k])
+
+    opt.sharded_state_dict, opt.state_dict, opt.load_state_dict = sharded_state_dict, state_dict, load_state_dict
+
+
+def torch_dist_load(opt, loaded):
+    """What megatron.training's load_checkpoint does with the optimizer: the template, filled in
+    place by dist_checkpointing, then `load_state_dict`."""
+    opt.loaded = loaded
+    for i, tensors in opt.sharded_state_dict({}, is_loading=True).items():
+        for k, t in tensors.items():
+            t.detach().copy_(loaded[i][k])
+    opt.load_state_dict({})
+
+
+def loaded_values(opt, scale):
+    """A checkpoint's worth of state for `opt`: every master and moment, changed."""
+    return {i: {"param": p.detach() * scale + 1,
+                **{k: v.detach() * scale for k, v in opt.optimizer.state[p].items() if k != "step"}}
+            for i, p in enumerate(opt.all_params())}
+
+
+@pytest.mark.parametrize("when", ["mid_iteration", "after_the_step"])
+def test_a_checkpoint_load_writes_into_the_host_copies_and_brings_nothing_back(when):
+    """A torch_dist load with the state off the GPU: the template's tensors are the host copies,
+    dist-checkpointing and load_state_dict write there, no chunk is allocated on the GPU and
+    nothing is copied in during the load, no D2H is owed afterwards (the host copies are the
+    state), and training continues from the loaded values bit-exactly (against an optimizer that
+    had them set directly). Right after a step the stepped state is first sent out (its host copy
+    is stale), still without bringing anything back."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    fake_checkpoint_api(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    assert off.host_writes_supported()
+    if when == "mid_iteration":
+        coord.forward_begin(True)
+        coord.forward_end()  # all of it off the GPU, as between two microbatches
+    else:
+        assert coord.bytes_in(ChunkState.RESIDENT) == coord.gpu_bytes  # stepped, copy-out not enqueued
+    loaded = loaded_values(ref, 0.5)
+    for i, p in enumerate(ref.all_params()):  # the reference gets them directly
+        p.detach().copy_(loaded[i]["param"])
+        for k, v in ref.optimizer.state[p].items():
+            if k != "step":
+                v.copy_(loaded[i][k])
+    opt.loaded = loaded
+    h2d = coord.streams.stats.cumulative_h2d_bytes
+    torch_dist_load(opt, loaded)
+    assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
+    assert all(storage_bytes(c.buffer) == 0 and c.on_host and c.host_valid for c in off.chunks)
+    assert "host_write:optimizer" in coord.events
+    if when == "mid_iteration":  # the rest of the iteration, then two more
+        coord.backward_begin()
+        coord.grads_finalizing()
+        make_grads(opt.all_params(), 2)
+        opt.step()
+        coord.optimizer_step_done()
+    else:
+        one_iteration(opt, coord, 2)
+    make_grads(ref.all_params(), 2)
+    ref.step()
+    for step in range(3, 5):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+
+
+def test_a_writer_that_replaces_state_tensors_on_the_host_is_refused():
+    """host_writes_supported promises that the writer keeps the tensor objects; one that replaces
+    them would leave the optimizer with tensors the offloader does not know, on the CPU."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    opt = FakeDistOpt(fp32_numels=())
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    fake_checkpoint_api(opt)
+
+    def replacing_load(state_dict):
+        for p in opt.all_params():
+            opt.optimizer.state[p]["exp_avg"] = torch.zeros_like(opt.optimizer.state[p]["exp_avg"])
+
+    opt.load_state_dict = replacing_load
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    one_iteration(opt, coord, 0)
+    with pytest.raises(RuntimeError, match="replaced state tensors"):
+        opt.load_state_dict({})
+
+
+@pytest.mark.parametrize("case", ["fp32-params", "fraction", "fused", "te", "host-loads-off"])
+def test_writers_that_cannot_run_on_the_host_get_the_state_back(case):
+    """Where a load would move or replace the state tensors, it runs as before: the state comes
+    back to the GPU, the loaded values are re-discovered and sent out again. fp32 model params
+    (their moments would follow them to the GPU), state kept resident by a fraction, fused Adam
+    (its step follows the params), TE FusedAdam (rebuilds its state), or loads turned off
+    (Megatron's fully parallel load exchanges GPU tensors)."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    kw = {}
+    if case == "fp32-params":
+        opt = FakeDistOpt()  # fp32 params (views of the fp32 buffer) have offloaded moments
+    elif case == "te":
+        opt = FakePrecisionAwareDistOpt()
+    else:
+        opt = FakeDistOpt(fp32_numels=())
+    if case == "fraction":
+        kw["state_fraction"] = 0.5
+    if case == "host-loads-off":
+        kw["host_loads"] = False
+    if case == "fused":
+        for group in opt.optimizer.param_groups:
+            group["fused"] = True  # (as torch keeps it; the CPU step never reads it here)
+    coord = make_coord(**kw)
+    off = coord.add_optimizer(opt)
+    if case != "te":
+        fake_checkpoint_api(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    if case == "fused":
+        assert not off.host_writes_supported()
+        return
+    one_iteration(opt, coord, 0)
+    coord.forward_begin(True)
+    coord.forward_end()
+    assert off.host_writes_supported() == (case == "host-loads-off")  # (that one: the coordinator's choice)
+    h2d = coord.streams.stats.cumulative_h2d_bytes
+    coord.before_state_access(off, will_modify=True, host_copies_ok=True)
+    assert coord.streams.stats.cumulative_h2d_bytes > h2d  # the state came back
+    assert not any(c.on_host for c in off.chunks)
+    coord.after_state_access(off, modified=True)
+    assert "host_write:optimizer" not in coord.events
