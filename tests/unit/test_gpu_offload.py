@@ -417,7 +417,8 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path):
                 "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
     def sharded(model, optimizer, is_loading):
-        state = {"model": model.sharded_state_dict(metadata=metadata)}
+        # Of the unwrapped model (DDP -> Float16Module -> GPTModel), as load_checkpoint does.
+        state = {"model": model.module.module.sharded_state_dict(metadata=metadata)}
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         return state
 
@@ -439,7 +440,7 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path):
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     loaded = dist_checkpointing.load(sharded(model_b, opt_b, True), str(ckpt))
-    model_b.load_state_dict(loaded["model"])
+    model_b.module.module.load_state_dict(loaded["model"])
     opt_b.load_state_dict(loaded["optimizer"])
     torch.cuda.synchronize()
     assert any(e.startswith("host_write:") for e in coord.events)
