@@ -836,7 +836,7 @@ class OffloadCoordinator:
         accept CPU tensors (`host_copies_ok`), and any access nested in one, run on the host
         copies (`expose_host_copies`), so that no moment puts the state back on the GPU at once:
         a reader (a checkpoint save) sees what is off the GPU on the host; a writer (a checkpoint
-        load, `reload_model_params`) first sends everything out (`send_out_now`), then writes into
+        load) first sends everything out (`send_out_now`), then writes into
         the pinned buffer, where optimizers that write in place allow it
         (`OptimizerStateOffloader.host_writes_supported`). Other accesses get the state back."""
         self._suspended += 1

@@ -16,7 +16,8 @@ unmodified megatron-core 0.19 installation:
                                                           helpers import (the wheel has no Makefile)
 
 and, per optimizer instance, the top-level `optimizer.step` (to see skipped steps) and each
-DistributedOptimizer's checkpoint/reload methods (state must be resident while they run).
+DistributedOptimizer's checkpoint/reload methods (a torch_dist save or load runs on the host
+copies of what is off the GPU; the others get the state back first).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ STATE_WRITERS = (
     "restore_from_cpu",
 )
 # Those that may run on the host copies of what is off the GPU (coordinator.before_state_access):
-# a torch_dist save or load (`sharded_state_dict`, then `load_state_dict`), and the masters'
-# refresh from the model after a model-only load. The legacy per-file load and Megatron's own
-# CPU round trip (RL) get the state back first.
-HOST_ACCESS_OK = ("sharded_state_dict", "load_state_dict", "reload_model_params")
+# a torch_dist save or load (`sharded_state_dict`, then `load_state_dict`). The masters' refresh
+# from the model after a model-only load (`reload_model_params`, element-wise copies that would
+# work on the host too, not run on a GPU that way yet), the legacy per-file load and Megatron's
+# own CPU round trip (RL) get the state back first.
+HOST_ACCESS_OK = ("sharded_state_dict", "load_state_dict")
 
 # `--offload-state-fraction auto` measures this iteration: the first has start-up costs, the
 # second is the first with the coordinator's memory profile.

@@ -500,7 +500,7 @@ class OptimizerStateOffloader:
         return len(chunks)
 
     def host_writes_supported(self) -> bool:
-        """Whether a writer of the whole state (a checkpoint load, `reload_model_params`) can run
+        """Whether a writer of the whole state (a torch_dist checkpoint load) can run
         on the host copies (`expose_host_copies`) and leave the tensors it wrote where they are.
 
         That holds where the writer writes into the state tensors rather than replacing them, and
