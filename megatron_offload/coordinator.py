@@ -131,7 +131,7 @@ class OffloadCoordinator:
         # The forward's frees block the host until their copy-out is done (`_free_until`; off by
         # default: not shown to help, measured to cost up to 1 %).
         self.host_waits_at_free = host_waits_at_free
-        self.free_host_wait_ms = 0.0  # host time spent there
+        self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
         self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
         self._workspace_mark: Optional[int] = None
         self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
@@ -835,10 +835,10 @@ class OffloadCoordinator:
         """A reader or writer of `off`'s state outside the step is about to run. Accesses that
         accept CPU tensors (`host_copies_ok`), and any access nested in one, run on the host
         copies (`expose_host_copies`), so that no moment puts the state back on the GPU at once:
-        a reader (a checkpoint save) sees what is off the GPU on the host; a writer (a checkpoint
-        load) first sends everything out (`send_out_now`), then writes into
-        the pinned buffer, where optimizers that write in place allow it
-        (`OptimizerStateOffloader.host_writes_supported`). Other accesses get the state back."""
+        a reader (a checkpoint save) sees what is off the GPU on the host; a writer (a torch_dist
+        load) first sends everything out (`send_out_now`), then writes into the pinned buffer,
+        where the optimizer writes in place (`OptimizerStateOffloader.host_writes_supported`).
+        Other accesses get the state back."""
         self._suspended += 1
         on_host = host_copies_ok or (bool(self._accesses) and self._accesses[-1] != "gpu")
         if on_host and not will_modify:
