@@ -83,6 +83,11 @@ def _check_exact(name: str, t: torch.Tensor) -> None:
         )
 
 
+def master_ids(dist_opt) -> set:
+    """ids of the fp32 masters of bf16/fp16 params (`shard_fp32_from_float16_groups`)."""
+    return {id(t) for group in getattr(dist_opt, "shard_fp32_from_float16_groups", []) for t in group if t is not None}
+
+
 def find_state_tensors(dist_opt, device: Optional[torch.device] = None) -> Discovery:
     """Offloadable tensors of one DistributedOptimizer (or a duck-typed stand-in).
 
@@ -96,12 +101,7 @@ def find_state_tensors(dist_opt, device: Optional[torch.device] = None) -> Disco
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
 
-    masters = {
-        id(t)
-        for group in getattr(dist_opt, "shard_fp32_from_float16_groups", [])
-        for t in group
-        if t is not None
-    }
+    masters = master_ids(dist_opt)
     found: List[StateTensor] = []
     others: List[str] = []
     seen = set()

@@ -33,7 +33,7 @@ from typing import List, Optional
 
 import torch
 
-from .discovery import OFFLOADED_STATE_KEYS, Discovery, StateTensor, find_state_tensors
+from .discovery import OFFLOADED_STATE_KEYS, Discovery, StateTensor, find_state_tensors, master_ids
 from .host_buffer import PinnedHostBuffer, align_up
 from .streams import CopyStreams
 
@@ -517,7 +517,7 @@ class OptimizerStateOffloader:
             return False
         if any(group.get("fused") or group.get("capturable") for group in inner.param_groups):
             return False
-        masters = {id(st.tensor) for c in self.chunks for st in c.tensors if st.name.endswith(".master")}
+        masters = master_ids(self.dist_opt)  # (all offloaded: nothing is kept)
         return all(id(st.param) in masters for c in self.chunks for st in c.tensors)
 
     def send_out_now(self) -> None:
@@ -545,8 +545,7 @@ class OptimizerStateOffloader:
     def _state_tensors_unchanged(self) -> bool:
         """Whether the inner optimizer holds exactly the state tensors we packed (same objects)."""
         inner = self.dist_opt.optimizer
-        masters = {id(t) for group in getattr(self.dist_opt, "shard_fp32_from_float16_groups", []) for t in group
-                   if t is not None}
+        masters = master_ids(self.dist_opt)
         current = set()
         for group in inner.param_groups:
             for p in group["params"]:
