@@ -38,7 +38,7 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-from . import auto_fraction, chunked_step
+from . import auto_fraction, chunked_step, host_memory
 from .offloader import DEFAULT_CHUNK_BYTES, ChunkState, OptimizerStateOffloader
 from .streams import CopyStreams, TransferTotals
 
@@ -880,12 +880,18 @@ class OffloadCoordinator:
         Chunk by chunk: each is packed, copied out and freed before the next one is packed, so
         at most one chunk of packed state exists at a time (and the zeros of materialized
         moments are only ever created inside their chunk)."""
-        for off in self.offloaders:
-            self._take_back(off, will_modify=True)
-            if materialize:
-                off.materialize_state()
-            off.refresh(stream_out=True)
-            self._announce()
+        try:
+            for off in self.offloaders:
+                self._take_back(off, will_modify=True)
+                if materialize:
+                    off.materialize_state()
+                off.refresh(stream_out=True)
+                self._announce()
+        except BaseException:
+            # E.g. pinning refused (host memory): detach completely, every tensor back on the GPU,
+            # rather than leave hooks that would act on a half-packed state.
+            self.close()
+            raise
         if self.bytes_in(ChunkState.OFFLOADED):
             self.phase = Phase.OFFLOADED
             self._trace("offloaded")
@@ -950,6 +956,7 @@ class OffloadCoordinator:
             f"{self.pinned_bytes / 2**30:.3f} GiB ({', '.join(pinning) or 'none'})"
             + (f"; {kept / 2**30:.3f} GiB kept on the GPU (--offload-state-fraction "
                f"{self.state_fraction:g})" if kept else "")
+            + f"; host memory now: {host_memory.read().describe()}"
         )
 
     def harvest(self) -> TransferTotals:

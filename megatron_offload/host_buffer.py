@@ -1,17 +1,31 @@
 """Page-locked host memory of an exact size, allocated once and sliced into views.
 
 PyTorch's caching host allocator (`torch.empty(..., pin_memory=True)`) rounds every request up to a
-power of two: a 20.4 GiB request pins 32 GiB. We instead take ordinary pageable memory of exactly the
-size we need and page-lock it in place with `cudaHostRegister`, once per offloader. Copies into and
-out of registered memory are true asynchronous DMA transfers, like copies to caching-allocator
-pinned memory.
+power of two: a 20.4 GiB request pins 32 GiB. We instead map anonymous memory of exactly the size
+we need (rounded up to a page) and page-lock it in place with `cudaHostRegister`, once per
+offloader. Copies into and out of registered memory are true asynchronous DMA transfers.
+
+[Note: pinned pages and fork]
+The mapping is marked MADV_DONTFORK before it is pinned. Linux copies every page that may be
+DMA-pinned into a child at fork time, eagerly, instead of sharing it copy-on-write (so that the
+device keeps writing into the parent's pages). Megatron forks its data-loader workers after the
+optimizer is built, so without DONTFORK each worker received a private, resident copy of the whole
+pinned state: the node lost the pinned bytes once per worker, in memory no training process's RSS
+shows (the children's), and a large state got ranks killed by the OOM killer. The workers never
+touch the state; with DONTFORK the range simply does not exist in them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
+from typing import Callable, Optional
 
 import torch
+
+from . import host_memory
+from .host_memory import HostMemoryError
 
 logger = logging.getLogger(__name__)
 
@@ -24,34 +38,86 @@ def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
     return (nbytes + alignment - 1) // alignment * alignment
 
 
+def _cuda_register(ptr: int, nbytes: int) -> int:
+    """cudaHostRegister(ptr, nbytes, default flags); the CUDA error code."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _cuda_error_string(err: int) -> str:
+    try:
+        return str(torch.cuda.cudart().cudaGetErrorString(err))
+    except Exception:  # noqa: BLE001 - only for the message
+        return f"CUDA error {err}"
+
+
+def clear_cuda_error() -> Optional[int]:
+    """Reset CUDA's per-thread last error (cudaGetLastError) after a failed runtime call.
+
+    A failed cudaHostRegister also records its error as the thread's last error, and PyTorch checks
+    that after every kernel launch: left there, the next kernel raises `invalid argument` far from
+    the cause. torch binds no cudaGetLastError, so call it in the libcudart this process loaded
+    (dlopen of an already loaded path returns the same library, hence the same error state).
+    Returns the error cleared (0: none), or None where no libcudart is loaded."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line and "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return int(ctypes.CDLL(path).cudaGetLastError())
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 class PinnedHostBuffer:
     """`nbytes` of host memory, page-locked when CUDA is available.
 
-    `pinning` says how: "cudaHostRegister" (exact size), "caching-host-allocator" (fallback when
-    registration fails, e.g. under a low `ulimit -l`), or "pageable" (no CUDA: CPU tests).
+    `pinning` says how: "cudaHostRegister" (exact size), or "pageable" (no CUDA: CPU tests).
+    Pinning that cannot be done raises HostMemoryError (with the CUDA error cleared): there is no
+    fallback, since copies to pageable memory are synchronous and half as fast, and PyTorch's
+    pinned allocator would need up to twice the bytes that just failed.
+
+    check: called with `nbytes` before anything is pinned (host_memory.check_can_pin; tests fake
+        the machine's figures). register: cudaHostRegister (tests inject failures).
     """
 
-    def __init__(self, nbytes: int, pin: bool = True):
+    def __init__(self, nbytes: int, pin: bool = True,
+                 check: Callable[[int], None] = host_memory.check_can_pin,
+                 register: Optional[Callable[[int, int], int]] = None):
         self.nbytes = int(nbytes)
         self.pinning = "pageable"
+        self.dontfork = False
         self._registered_ptr = None
-        self._storage = torch.empty(self.nbytes, dtype=torch.uint8)
-        if not (pin and torch.cuda.is_available() and self.nbytes > 0):
+        self._map = None
+        pin = pin and self.nbytes > 0 and (register is not None or torch.cuda.is_available())
+        if pin:
+            check(self.nbytes)
+        if self.nbytes == 0:
+            self._storage = torch.empty(0, dtype=torch.uint8)
             return
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(self._storage.data_ptr(), self.nbytes, 0)
-        if int(err) == 0:
-            self._registered_ptr = self._storage.data_ptr()
-            self.pinning = "cudaHostRegister"
+        # Anonymous and private: page-aligned, zero-filled, backed only where touched.
+        self._map = mmap.mmap(-1, align_up(self.nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE)
+        self._storage = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
+        if not pin:
             return
-        logger.warning(
-            "megatron-offload: cudaHostRegister of %.2f GiB failed (%s); falling back to PyTorch's "
-            "pinned allocator, which rounds the allocation up to a power of two. Check `ulimit -l`.",
-            self.nbytes / 2**30,
-            cudart.cudaGetErrorString(err),
-        )
-        self._storage = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-        self.pinning = "caching-host-allocator"
+        # Why: see [Note: pinned pages and fork]; must precede the pinning.
+        self._map.madvise(mmap.MADV_DONTFORK)
+        self.dontfork = True
+        register = register or _cuda_register
+        ptr = self._storage.data_ptr()
+        err = register(ptr, self.nbytes)
+        if err != 0:
+            clear_cuda_error()
+            self._release()
+            raise HostMemoryError(
+                f"megatron-offload: cudaHostRegister of {self.nbytes / 2**30:.2f} GiB failed "
+                f"({_cuda_error_string(err)}); {host_memory.read().describe()}. Check the locked-memory limit "
+                "(`ulimit -l`, or the container's memlock limit) and the host memory left for this rank, "
+                "or run without --offload-optimizer-states.")
+        self._registered_ptr = ptr
+        self.pinning = "cudaHostRegister"
 
     @property
     def is_pinned(self) -> bool:
@@ -65,11 +131,21 @@ class PinnedHostBuffer:
         return self._storage[offset : offset + nbytes].view(like.dtype).view(like.shape)
 
     def close(self) -> None:
-        """Unpin. Views taken from this buffer must not be used for copies afterwards."""
+        """Unpin. Views taken from this buffer must not be used for copies afterwards; the memory
+        itself goes when the last view does."""
         if self._registered_ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
             self._registered_ptr = None
         self.pinning = "pageable"
+
+    def _release(self) -> None:
+        self._storage = torch.empty(0, dtype=torch.uint8)
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still exports it: unmapped when that goes
+                pass
+            self._map = None
 
     def __del__(self):  # best effort; interpreter shutdown may already have torn CUDA down
         try:

@@ -33,6 +33,7 @@ import torch
 
 from . import validation
 from .coordinator import DEFAULT_MARGIN_BYTES, OffloadCoordinator
+from .host_memory import HostMemoryError
 from .offloader import DEFAULT_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
@@ -324,7 +325,12 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     # The fp32 masters exist since the optimizer was built, the moments after a resume, and torch
     # Adam's moments are created here rather than lazily in step 1: pack and send out all of it
     # now, while no activation exists, so that even the first forward runs without it.
-    coord.offload_existing_state()
+    try:
+        coord.offload_existing_state()  # (detaches itself if it fails)
+    except HostMemoryError as err:
+        # One line per rank, like an argument error, instead of a traceback from deep inside.
+        _print(f"error: {err}", all_ranks=True)
+        raise SystemExit(1) from err
     coord.release_startup_state()
 
     step = optimizer.step

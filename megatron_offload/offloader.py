@@ -300,6 +300,24 @@ class OptimizerStateOffloader:
         slot = slot_bytes(max((c.nbytes for c in chunks), default=0))
         for chunk in chunks:
             chunk.gpu_nbytes = slot
+        # Pinned before anything is re-pointed: a refusal (host memory, `ulimit -l`) leaves every
+        # chunk RESIDENT as it was. Their old host copies are not needed (the GPU holds the data),
+        # so the old buffer goes first, and the node never holds both.
+        host_bytes = sum(c.nbytes for c in chunks)
+        if self.host is None or self.host.nbytes != host_bytes:
+            if self.host is not None:
+                self.host.close()
+                self.host = None
+                for old in self.chunks:
+                    old.host = None
+            try:
+                self.host = PinnedHostBuffer(host_bytes, pin=self.device.type == "cuda")
+            except Exception:
+                # Leave no placeholder behind: the optimizer can still step without us.
+                for st in managed:
+                    if st.owner is not None:
+                        self._place(st, self._initial_value(st))
+                raise
         # The previous chunk buffers are released once every tensor in them has been re-pointed
         # into a new chunk (below), except one whose storage a kept tensor still is.
         kept_storages = {st.tensor.untyped_storage()._cdata for st in self.kept}
@@ -307,11 +325,6 @@ class OptimizerStateOffloader:
                    if old.buffer is not None and old.buffer.untyped_storage()._cdata not in kept_storages]
         for old in self.chunks:
             old.buffer = old.host = None
-        host_bytes = sum(c.nbytes for c in chunks)
-        if self.host is None or self.host.nbytes != host_bytes:
-            if self.host is not None:
-                self.host.close()
-            self.host = PinnedHostBuffer(host_bytes, pin=self.device.type == "cuda")
         self.chunks = chunks
         base = 0
         for chunk in chunks:

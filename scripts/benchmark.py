@@ -146,6 +146,10 @@ def summarize(run, warmup):
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
         "startup_and_run_s": run["seconds"],
+        # The node's MemAvailable drop over the run (all ranks, their data-loader workers, the
+        # kernel), against the pinned bytes of all ranks.
+        "host_drop_gib": (run.get("host") or {}).get("drop", 0) / 2**30,
+        "pinned_node_gib": sum(r.get("pinned_bytes", 0) for r in ranks) / 2**30,
     }
 
 
@@ -266,6 +270,14 @@ def report(results, ceilings):
                   f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB); cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
                   f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; expandable segments {r['expandable_segments']}")
+        if ref:
+            # Acceptance of the host-memory fix: node drop over the baseline's <= 1.05 x pinned + 1 GiB/rank.
+            extra = r["host_drop_gib"] - ref["host_drop_gib"]
+            r["host_extra_gib"] = extra
+            notes.append(f"{name}: host MemAvailable drop {r['host_drop_gib']:.2f} GiB (baseline "
+                         f"{ref['host_drop_gib']:.2f}), {extra:+.2f} GiB over the baseline for "
+                         f"{r['pinned_node_gib']:.2f} GiB pinned on the node"
+                         + (f" = {extra / r['pinned_node_gib']:.2f}x" if r["pinned_node_gib"] else ""))
         print(f"| {name} | {r['median_ms']:.1f} | {ratio:.3f} | {r['max_allocated_gib'][0]:.2f} | "
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "

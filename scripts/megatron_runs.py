@@ -95,21 +95,76 @@ def _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout, 
     return code, elapsed, record
 
 
+def _mem_available():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class HostSampler:
+    """The node's MemAvailable every `interval` seconds while a run lives (what the OOM killer goes
+    by; the training processes' RSS misses their children and the kernel's share)."""
+
+    def __init__(self, interval=0.5):
+        self.interval, self.samples = interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        t0 = time.time()
+        while True:
+            value = _mem_available()
+            if value is not None:
+                self.samples.append((round(time.time() - t0, 2), value))
+            if self._stop.wait(self.interval):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self):
+        """Before the run, the lowest during it, and the drop between them (bytes)."""
+        if not self.samples:
+            return None
+        before, lowest = self.samples[0][1], min(v for _, v in self.samples)
+        return {"available_before": before, "available_min": lowest, "drop": before - lowest,
+                "samples": self.samples[::4]}
+
+
 def _run(name, cmd, env, out, timeout):
-    """Run to <out>/<name>.log, record the exit code in <out>/<name>.exit; (exit code, seconds)."""
+    """Run to <out>/<name>.log, record the exit code in <out>/<name>.exit and the node's host memory
+    in <out>/<name>.host.json; (exit code, seconds)."""
     start = time.time()
-    with open(os.path.join(out, f"{name}.log"), "w") as log:
+    with open(os.path.join(out, f"{name}.log"), "w") as log, HostSampler() as sampler:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
     with open(os.path.join(out, f"{name}.exit"), "w") as f:
         f.write(str(proc.returncode))
+    with open(os.path.join(out, f"{name}.host.json"), "w") as f:
+        json.dump(sampler.summary(), f)
     return proc.returncode, time.time() - start
+
+
+def host_summary(name, out):
+    """The node's host memory during a finished run (HostSampler.summary), or None."""
+    path = os.path.join(out, f"{name}.host.json")
+    return json.load(open(path)) if os.path.exists(path) else None
 
 
 def replay(name, nproc, out):
     """A finished run's records, read back instead of launching it (re-evaluating checks)."""
     record = os.path.join(out, name)
     ranks = [json.load(open(os.path.join(record, f"rank{r}.json"))) for r in range(nproc)]
-    return {"name": name, "ranks": ranks, "seconds": 0.0}
+    return {"name": name, "ranks": ranks, "seconds": 0.0, "host": host_summary(name, out)}
 
 
 def replay_failure(name, out):
@@ -130,7 +185,7 @@ def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeou
         tail = open(os.path.join(out, f"{name}.log")).read()[-4000:]
         raise RuntimeError(f"{name} failed (exit {code}) after {elapsed:.0f}s:\n{tail}")
     ranks = [json.load(open(os.path.join(record, f"rank{r}.json"))) for r in range(nproc)]
-    return {"name": name, "ranks": ranks, "seconds": elapsed}
+    return {"name": name, "ranks": ranks, "seconds": elapsed, "host": host_summary(name, out)}
 
 
 
