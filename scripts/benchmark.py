@@ -8,6 +8,8 @@ Presets:
   small  4 layers, hidden 1024 (a quick smoke run).
   r2     R1 with full activation recompute (the optimizer step is the memory peak).
   r3     R1's model with PP=2, DP=2 (--nproc 4), 8 microbatches per iteration.
+  moe    R1's model with 4 experts (top-2, alltoall dispatcher), dense + expert optimizers;
+         EP = 1 unless --extra sets --expert-model-parallel-size.
 
 Each variant runs `--iters` iterations; the table reports, per variant, the median step time over
 iterations [--warmup, iters), peak allocated/reserved memory per rank, offloaded and pinned bytes,
@@ -33,9 +35,13 @@ PRESETS = {
     "small": dict(layers=4, hidden=1024, heads=16, seq=1024, mbs=4, gbs=16),
     # R3: R1's model with PP=2, DP=2 on 4 GPUs, 8 microbatches per iteration (2 x 8 x 2 = 32).
     "r3": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=32),
+    # R1's model with 4 experts per MoE layer (~3.7 B params; EP1 on one GPU: ~44 GiB of state).
+    "moe": dict(layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=8),
 }
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-PRESET_ARGS = {"r2": RECOMPUTE, "r3": ["--pipeline-model-parallel-size", "2"]}
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"]
+PRESET_ARGS = {"r2": RECOMPUTE, "r3": ["--pipeline-model-parallel-size", "2"], "moe": MOE}
 # Environment modifiers, appended to a variant name with '@' (e.g. offload@conn8@expseg).
 MODIFIERS = {
     "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
