@@ -40,7 +40,9 @@ PRESETS = {
 }
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
-       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2"]
+       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
+       # The local SequentialMLP adds its bias in place on a view (autograd error at EP1).
+       "--disable-bias-linear"]
 PRESET_ARGS = {"r2": RECOMPUTE, "r3": ["--pipeline-model-parallel-size", "2"], "moe": MOE}
 # Environment modifiers, appended to a variant name with '@' (e.g. offload@conn8@expseg).
 MODIFIERS = {
