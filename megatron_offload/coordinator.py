@@ -30,6 +30,7 @@ The coordinator imports nothing from `megatron.training`; any training loop can 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import logging
 import math
@@ -198,6 +199,17 @@ class OffloadCoordinator:
     # Registration
     # ------------------------------------------------------------------------------------------
     def add_optimizer(self, dist_opt, name: str = "optimizer") -> OptimizerStateOffloader:
+        """Offload one DistributedOptimizer (a ChainedOptimizer: add each one inside it)."""
+        if hasattr(dist_opt, "chained_optimizers"):
+            raise TypeError(
+                "megatron-offload: add_optimizer takes one DistributedOptimizer; for a ChainedOptimizer add "
+                "each of its DistributedOptimizers (megatron_offload.megatron_wiring.iter_distributed_optimizers)")
+        if not (getattr(dist_opt, "is_stub_optimizer", False) or (
+                hasattr(dist_opt, "optimizer") and hasattr(dist_opt, "shard_fp32_from_float16_groups"))):
+            raise TypeError(
+                f"megatron-offload: add_optimizer needs a megatron-core DistributedOptimizer (the sharded "
+                f"state it moves: inner optimizer, fp32 master shards), got a {type(dist_opt).__name__}; "
+                "build the optimizer with use_distributed_optimizer=True (--use-distributed-optimizer)")
         off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name,
                                       copy_piece_bytes=self.copy_piece_bytes, fraction=self.state_fraction,
                                       by_parameter=self.chunked_step)
@@ -635,6 +647,17 @@ class OffloadCoordinator:
         finish before the forward's first free. (Also after the parameter all-gather: on PCIe
         hosts the D2H and NCCL share the GPU's link.)
         """
+        if self._copy_out_due:
+            # Why: the copy-out of the last step is started by the next forward_begin; a step
+            # with it still pending means no forward reached the hooks, so the state never leaves
+            # the GPU while everything looks fine (the silent no-op of issue 28).
+            self.close()
+            raise OffloadNotRunningError(
+                "megatron-offload: a second optimizer step ran without a forward_begin() after the first, so "
+                "the optimizer state never left the GPU. The training loop's forwards bypass the hooks: in "
+                "Megatron a schedule that does not call megatron.core.pipeline_parallel.schedules.forward_step "
+                "(e.g. --overlap-moe-expert-parallel-comm's combined 1F1B), in a custom loop a missing "
+                "forward_begin()/backward_begin()/grads_finalizing() call (or start_pending_copy_out()).")
         self._skipped_last_step = False
         self._release_cache_at("step_end")
         for off in self.offloaders:
@@ -838,23 +861,49 @@ class OffloadCoordinator:
         a reader (a checkpoint save) sees what is off the GPU on the host; a writer (a torch_dist
         load) first sends everything out (`send_out_now`), then writes into the pinned buffer,
         where the optimizer writes in place (`OptimizerStateOffloader.host_writes_supported`).
-        Other accesses get the state back."""
-        self._suspended += 1
+        Other accesses get the state back.
+
+        Exception-safe: the access is recorded only once its preparation succeeded, so a failure
+        here (e.g. an out-of-memory reload) leaves no access open; `state_access` pairs it with
+        `after_state_access` whatever the access itself raises."""
         on_host = host_copies_ok or (bool(self._accesses) and self._accesses[-1] != "gpu")
         if on_host and not will_modify:
-            self._accesses.append("host_read")
+            kind = "host_read"
             off.expose_host_copies()
-            return
-        if on_host and self.host_loads and off.host_writes_supported():
-            self._accesses.append("host_write")
+        elif on_host and self.host_loads and off.host_writes_supported():
+            kind = "host_write"
             if off in self._copy_out_due:
                 self._copy_out_due.remove(off)  # (stepped, still resident: sent out just below)
             off.send_out_now()
             off.expose_host_copies()
             self._trace(f"host_write:{off.name}")
-            return
-        self._accesses.append("gpu")
-        self._take_back(off, will_modify)
+        else:
+            kind = "gpu"
+            self._take_back(off, will_modify)
+        self._suspended += 1
+        self._accesses.append(kind)
+
+    @contextlib.contextmanager
+    def state_access(self, offloaders, will_modify: bool, host_copies_ok: bool = False):
+        """`before_state_access` / `after_state_access` around a block, for each of `offloaders`.
+        On any exception (in the preparation or the block) every access entered is closed again
+        and the original exception propagates; a failure while closing is logged, never raised
+        in its place."""
+        entered = []
+        try:
+            for off in offloaders:
+                self.before_state_access(off, will_modify=will_modify, host_copies_ok=host_copies_ok)
+                entered.append(off)
+            yield
+        except BaseException:
+            for off in reversed(entered):
+                try:
+                    self.after_state_access(off, modified=will_modify)
+                except Exception:  # noqa: BLE001 - the access's own error is the one to report
+                    logger.exception("megatron-offload: closing %s's state access after an error failed too", off.name)
+            raise
+        for off in reversed(entered):
+            self.after_state_access(off, modified=will_modify)
 
     def _hide_host_copies(self) -> None:
         """A save that read state on the host (`before_state_access`) has finished writing by the
@@ -968,6 +1017,10 @@ class OffloadCoordinator:
         self._hook_handles.clear()
         for off in self.offloaders:
             off.close()
+
+
+class OffloadNotRunningError(RuntimeError):
+    """Offloading was asked for but the training loop never let it run."""
 
 
 class _Undo:

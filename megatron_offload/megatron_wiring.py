@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 import torch
 
 from . import validation
-from .coordinator import DEFAULT_MARGIN_BYTES, OffloadCoordinator
+from .coordinator import DEFAULT_MARGIN_BYTES, OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
 from .offloader import DEFAULT_CHUNK_BYTES
 
@@ -218,12 +218,8 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
 
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
-            modifies = writes(args, kwargs)
-            coord.before_state_access(off, will_modify=modifies, host_copies_ok=name in HOST_ACCESS_OK)
-            try:
+            with coord.state_access([off], will_modify=writes(args, kwargs), host_copies_ok=name in HOST_ACCESS_OK):
                 return original(*args, **kwargs)
-            finally:
-                coord.after_state_access(off, modified=modifies)
 
         setattr(dist_opt, name, wrapper)
 
@@ -510,9 +506,17 @@ def _wrap_training_log(original):
     @functools.wraps(original)
     def wrapper(*a, **k):
         result = original(*a, **k)
-        if _enabled():
-            from megatron.training.global_vars import get_args
+        from megatron.training.global_vars import get_args
 
+        if not _enabled() and getattr(get_args(), "offload_optimizer_states", False) and not _stepped_aside:
+            # (training_log runs after every train_step: the first step has happened.)
+            raise OffloadNotRunningError(
+                "megatron-offload: --offload-optimizer-states is set but the plugin never attached to the "
+                "optimizer, so nothing is offloaded. It attaches inside megatron.training.training."
+                "setup_model_and_optimizer / get_megatron_optimizer: the script built its model and "
+                "optimizer some other way, or imported those functions by name before "
+                "megatron_offload.install() ran (call install() first, or launch with -m megatron_offload).")
+        if _enabled():
             iteration = signature.bind_partial(*a, **k).arguments.get("iteration")
             interval = getattr(get_args(), "log_interval", 1) or 1
             if iteration is not None and iteration % interval == 0:
@@ -539,13 +543,8 @@ def _wrap_calc_params_l2_norm(original):
     def wrapper(*a, **k):
         if not _enabled() or not coordinator.chunked_step:
             return original(*a, **k)
-        for off in coordinator.offloaders:
-            coordinator.before_state_access(off, will_modify=False)
-        try:
+        with coordinator.state_access(coordinator.offloaders, will_modify=False):
             return original(*a, **k)
-        finally:
-            for off in coordinator.offloaders:
-                coordinator.after_state_access(off, modified=False)
 
     return wrapper
 

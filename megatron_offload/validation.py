@@ -103,6 +103,13 @@ def problems(args) -> List[str]:
                     "they cannot be stepped piece by piece. Drop --offload-chunked-step (the "
                     "unchunked step brings the whole state back for the step) or the flag."
                 )
+    if _get(args, "overlap_moe_expert_parallel_comm", False):
+        out.append(
+            f"{FLAG} cannot be combined with --overlap-moe-expert-parallel-comm: that schedule runs "
+            "forward and backward through megatron-core's combined 1F1B path, which never calls the "
+            "schedule functions the plugin paces itself by, so the state would never leave the GPU. "
+            f"Drop one of them."
+        )
     if _get(args, "async_save", False):
         out.append(
             f"{FLAG} does not support --async-save yet: the background writer may still read "

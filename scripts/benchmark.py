@@ -265,7 +265,10 @@ def report(results, ceilings):
                  for b, m, o in zip(ref["max_reserved_gib"] if ref else [], r["max_reserved_gib"], r["offloaded_gib"])]
         r["saved_fraction_of_offloaded_per_rank"] = fracs
         n = min(len(r["losses"]), len(ref["losses"])) if ref else 0
-        same = (r["losses"][:n] == ref["losses"][:n]) if ref else None
+        # Every loss of the shorter run (a variant stopped early) against the baseline's; an empty
+        # or loss-less record is not "identical".
+        same = (n > 0 and n == len(r["losses"]) and None not in r["losses"]
+                and r["losses"][:n] == ref["losses"][:n]) if ref else None
         r.update(ratio=ratio, reserved_saved_gib=saved, saved_fraction_of_offloaded=frac, losses_identical=same)
         if r.get("transfer") and ceilings:
             t = r["transfer"]

@@ -526,7 +526,7 @@ if __name__ == "__main__":
         # A per-GPU memory cap for max-fit experiments (scripts/max_fit.py).
         torch.cuda.set_per_process_memory_fraction(
             float(os.environ["MEGATRON_OFFLOAD_MEMORY_FRACTION"]), device=int(os.environ.get("LOCAL_RANK", 0)))
-    if os.environ.get("MEGATRON_OFFLOAD_RECORD"):
+    if os.environ.get("MEGATRON_OFFLOAD_RECORD") and not os.environ.get("MEGATRON_OFFLOAD_RECORDER_INSTALLED"):
         recorder = Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"])
         recorder.install()
         if os.environ.get("MEGATRON_OFFLOAD_MEMHIST"):

@@ -1,16 +1,25 @@
 """Functional runs: real Megatron GPT pretraining through torchrun, with and without offloading.
 
-    python tests/functional/run_functional.py --out /tmp/func [--nproc 2] [--iters 30]
+    python tests/functional/run_functional.py --out /tmp/func [--nproc 2] [--iters 30] [--script auto]
 
-Runs (each through `torchrun -m megatron_offload scripts/pretrain_gpt_mock.py`, mock data):
-  baseline        no offload, saves a torch_dist checkpoint at iteration iters/2
-  offload         --offload-optimizer-states, same checkpoint schedule
-  resume_offload  offload, resumes the offload run's checkpoint at iters/2
-  resume_plain    no offload, resumes the offload run's checkpoint   (checkpoint interchange)
-  plain_to_offload offload, resumes the baseline's checkpoint        (checkpoint interchange)
-and checks: losses bit-identical at every iteration, identical final parameters and optimizer
-state (SHA-256 per rank), peak reserved memory lower with offloading, resumed runs continue with
-the uninterrupted run's losses. Prints a table; exits non-zero on any failure.
+The training script is Megatron-LM's own `pretrain_gpt.py` where one is found (--script auto:
+$MEGATRON_LM_DIR, ../shared/megatron-lm or .upstream/megatron-lm), else the project's
+scripts/pretrain_gpt_mock.py; --script mock|upstream|PATH chooses. Runs (mock data):
+  baseline          no offload, saves a torch_dist checkpoint at iteration iters/2
+  offload           --offload-optimizer-states, same checkpoint schedule
+  offload_chunked   --offload-chunked-step with a 64 MiB step budget: its saves happen with state
+                    off the GPU, so they test the bounded save
+  resume_offload    offload, resumes the offload run's checkpoint at iters/2
+  resume_plain      no offload, resumes the offload run's checkpoint   (checkpoint interchange)
+  plain_to_offload  offload, resumes the baseline's checkpoint        (checkpoint interchange)
+  crash             offload, saves at iters/2, then every rank SIGKILLs itself mid-iteration 2
+                    iterations later (tests/functional/recorded_launch.py, by process id)
+  resume_after_crash offload, resumes the crashed run's last checkpoint
+and checks: losses bit-identical at every iteration (as train_step returned them and as Megatron
+printed them), identical final parameters and optimizer state (SHA-256 per rank), steady peak
+reserved memory lower by at least half the offloaded bytes, saves with state off the GPU bounded,
+resumed runs continue with the uninterrupted run's losses. Prints a table; exits non-zero on any
+failure.
 """
 
 import argparse
@@ -21,11 +30,26 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from megatron_runs import launch, model_args, run_losses as losses, run_peak, save_growth_check  # noqa: E402
+from megatron_runs import (  # noqa: E402
+    MOCK_SCRIPT, launch, launch_expecting_failure, model_args, printed_losses, reserved_saving_check,
+    run_losses as losses, run_peak, save_growth_check, upstream_script)
+
+CASES = "baseline,offload,offload_chunked,resume_offload,resume_plain,plain_to_offload,crash,resume_after_crash"
+# Iterations left out of the steady-state memory comparison (start-up, first step's packing).
+WARMUP = 3
 
 
 def peak_reserved(run):
     return [run_peak(r) for r in run["ranks"]]
+
+
+def choose_script(choice):
+    if choice == "mock":
+        return MOCK_SCRIPT
+    found = upstream_script(None if choice in ("auto", "upstream") else choice)
+    if found is None and choice != "auto":
+        raise SystemExit(f"no Megatron-LM pretrain_gpt.py found for --script {choice}")
+    return found or MOCK_SCRIPT
 
 
 def main(argv=None):
@@ -33,18 +57,22 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/megatron_offload_functional")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--cases", default="baseline,offload,resume_offload,resume_plain,plain_to_offload")
+    p.add_argument("--cases", default=CASES)
+    p.add_argument("--script", default="auto", help="auto, mock, upstream, or a pretrain_gpt.py / Megatron-LM dir")
     p.add_argument("--extra", default="", help="extra Megatron args for every run")
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
+    script = choose_script(opts.script)
+    print(f"training script: {script}", flush=True)
     cases = opts.cases.split(",")
     half = opts.iters // 2
-    base = model_args(opts.iters) + ["--deterministic-mode"] + opts.extra.split()
+    # Megatron prints every iteration's loss: those printed values are compared too.
+    base = model_args(opts.iters) + ["--deterministic-mode", "--log-interval", "1"] + opts.extra.split()
     ck = lambda name: os.path.join(opts.out, f"ckpt_{name}")  # noqa: E731
-    for name in ("baseline", "offload"):
+    for name in ("baseline", "offload", "offload_chunked", "crash"):
         shutil.rmtree(ck(name), ignore_errors=True)
 
-    runs, checks = {}, []
+    runs, checks, printed = {}, [], {}
 
     def check(what, ok, detail=""):
         checks.append((what, bool(ok), detail))
@@ -52,53 +80,75 @@ def main(argv=None):
 
     save = lambda name: ["--save", ck(name), "--save-interval", str(half)]  # noqa: E731
     resume = lambda name: ["--load", ck(name), "--ckpt-step", str(half)]  # noqa: E731
+    offload = ["--offload-optimizer-states"]
     plan = {
         # --log-params-norm reads the fp32 masters after every step: it must see resident data.
         # Both runs log it, so that its temporaries count in both peaks.
         "baseline": base + save("baseline") + ["--log-params-norm"],
-        "offload": base + save("offload") + ["--offload-optimizer-states", "--log-params-norm"],
-        "resume_offload": base + resume("offload") + ["--offload-optimizer-states"],
+        "offload": base + save("offload") + offload + ["--log-params-norm"],
+        "offload_chunked": base + save("offload_chunked") + offload + [
+            "--offload-chunked-step", "--offload-step-budget-mb", "64"],
+        "resume_offload": base + resume("offload") + offload,
         "resume_plain": base + resume("offload"),
-        "plain_to_offload": base + resume("baseline") + ["--offload-optimizer-states"],
+        "plain_to_offload": base + resume("baseline") + offload,
+        "resume_after_crash": base + resume("crash") + offload,
     }
     for name in cases:
-        runs[name] = launch(name, plan[name], opts.nproc, opts.out)
+        if name == "crash":
+            code, log, seconds = launch_expecting_failure(
+                "crash", base + save("crash") + offload, opts.nproc, opts.out, script=script, timeout=600,
+                env_extra={"MEGATRON_OFFLOAD_KILL_AT": str(half + 2)})
+            saved = os.path.isdir(os.path.join(ck("crash"), f"iter_{half:07d}"))
+            check("crash: every rank killed mid-iteration after a save", code != 0 and "killing rank" in log and saved,
+                  f"(exit {code}, {log.count('killing rank')} rank(s) killed, checkpoint at {half}: {saved})")
+            continue
+        runs[name] = launch(name, plan[name], opts.nproc, opts.out, script=script)
+        printed[name] = printed_losses(open(os.path.join(opts.out, f"{name}.log")).read())
         print(f"{name}: {runs[name]['seconds']:.0f}s", flush=True)
 
-    if "baseline" in runs and "offload" in runs:
-        b, o = runs["baseline"], runs["offload"]
-        lb, lo = losses(b), losses(o)
-        check("offload: losses bit-identical at every iteration", lb == lo and len(lb) == opts.iters,
-              f"({sum(x == y for x, y in zip(lb, lo))}/{len(lb)} equal)")
-        for r in range(opts.nproc):
-            check(f"offload: rank {r} final params identical",
-                  b["ranks"][r]["params_sha256"] == o["ranks"][r]["params_sha256"])
-            check(f"offload: rank {r} final optimizer state identical",
-                  b["ranks"][r]["optimizer_state_sha256"] == o["ranks"][r]["optimizer_state_sha256"])
-            rb, ro = peak_reserved(b)[r], peak_reserved(o)[r]
-            off_bytes = o["ranks"][r].get("offloaded_bytes", 0)
-            check(f"offload: rank {r} peak reserved lower", ro < rb,
-                  f"({rb / 2**30:.2f} -> {ro / 2**30:.2f} GiB, saved {(rb - ro) / 2**30:.2f} of "
-                  f"{off_bytes / 2**30:.2f} GiB offloaded)")
-            saves = o["ranks"][r].get("saves", [])
-            training_peak = max(it["max_allocated"] for it in o["ranks"][r]["iterations"])
-            save_peak = max((sv["max_allocated"] for sv in saves), default=0)
-            check(f"offload: rank {r} checkpoint save stays within training peak + state",
-                  saves and save_peak <= training_peak + off_bytes,
-                  f"(save peak {save_peak / 2**30:.2f} GiB, training peak {training_peak / 2**30:.2f} GiB)")
-            if "baseline" in runs:
-                ok, detail = save_growth_check(b["ranks"][r], o["ranks"][r])
-                check(f"offload: rank {r} checkpoint save brings no offloaded state back", ok, f"({detail})")
-            moved = o["ranks"][r].get("cumulative_d2h_bytes", 0)
-            check(f"offload: rank {r} state actually moved", off_bytes > 0 and moved >= off_bytes * (opts.iters - 1),
-                  f"(d2h {moved / 2**30:.2f} GiB over the run)")
+    def same_printed(name, ref, first):
+        want = {i: v for i, v in printed.get(ref, {}).items() if i >= first}
+        got = {i: v for i, v in printed.get(name, {}).items() if i >= first}
+        differ = sorted(i for i in want if got.get(i) != want[i])
+        ok = bool(want) and len(want) == opts.iters - first + 1 and not differ and got.keys() == want.keys()
+        detail = f"({len(want) - len(differ)}/{len(want)} printed losses equal" + (
+            "; first differing: iteration %d: %s vs %s" % (differ[0], got.get(differ[0]), want[differ[0]])
+            if differ else "") + ")"
+        return ok, detail
+
+    if "baseline" in runs:
+        b = runs["baseline"]
+        for name in ("offload", "offload_chunked"):
+            if name not in runs:
+                continue
+            o = runs[name]
+            lb, lo = losses(b), losses(o)
+            check(f"{name}: losses bit-identical at every iteration", lb == lo and len(lb) == opts.iters,
+                  f"({sum(x == y for x, y in zip(lb, lo))}/{len(lb)} equal)")
+            check(f"{name}: printed losses identical at every iteration", *same_printed(name, "baseline", 1))
+            for r in range(opts.nproc):
+                br, orr = b["ranks"][r], o["ranks"][r]
+                check(f"{name}: rank {r} final params identical", br["params_sha256"] == orr["params_sha256"])
+                check(f"{name}: rank {r} final optimizer state identical",
+                      br["optimizer_state_sha256"] == orr["optimizer_state_sha256"])
+                off_bytes = orr.get("offloaded_bytes", 0)
+                moved = orr.get("cumulative_d2h_bytes", 0)
+                check(f"{name}: rank {r} state actually moved", off_bytes > 0 and moved >= off_bytes * (opts.iters - 1),
+                      f"(d2h {moved / 2**30:.2f} GiB over the run)")
+                if name == "offload":
+                    check(f"{name}: rank {r} steady peak reserved lower", *reserved_saving_check(br, orr, WARMUP))
+                else:  # the unchunked step saves with the whole state resident: nothing to bound there
+                    check(f"{name}: rank {r} checkpoint save reads what is off the GPU from the host",
+                          *save_growth_check(br, orr))
     for name, ref, source in (("resume_offload", "offload", "offload"),
                               ("resume_plain", "offload", "offload"),
-                              ("plain_to_offload", "baseline", "baseline")):
+                              ("plain_to_offload", "baseline", "baseline"),
+                              ("resume_after_crash", "offload", "crash")):
         if name in runs and ref in runs:
             got, want = losses(runs[name]), losses(runs[ref])[half:]
-            check(f"{name}: resumed losses identical to the uninterrupted run", got == want,
+            check(f"{name}: resumed losses identical to the uninterrupted run", got == want and len(got) == opts.iters - half,
                   f"({sum(x == y for x, y in zip(got, want))}/{len(want)} equal)")
+            check(f"{name}: printed losses identical to the uninterrupted run", *same_printed(name, ref, half + 1))
             for r in range(opts.nproc):
                 check(f"{name}: rank {r} final params identical",
                       runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
@@ -114,18 +164,22 @@ def main(argv=None):
                           f"(start-up peak {resumed / 2**30:.2f} GiB, fresh start {fresh / 2**30:.2f} GiB, "
                           f"state {state / 2**30:.2f} GiB)")
 
-    print("\n| case | seconds | peak reserved GiB per rank | offloaded GiB per rank | pinned GiB per rank |")
-    print("|---|---|---|---|---|")
+    print("\n| case | seconds | peak reserved GiB per rank | offloaded GiB per rank | pinned GiB per rank | "
+          "host MemAvailable drop GiB |")
+    print("|---|---|---|---|---|---|")
     for name, run in runs.items():
         print(f"| {name} | {run['seconds']:.0f} | "
               + ", ".join(f"{x / 2**30:.2f}" for x in peak_reserved(run)) + " | "
               + ", ".join(f"{r.get('offloaded_bytes', 0) / 2**30:.3f}" for r in run["ranks"]) + " | "
-              + ", ".join(f"{r.get('pinned_bytes', 0) / 2**30:.3f}" for r in run["ranks"]) + " |")
+              + ", ".join(f"{r.get('pinned_bytes', 0) / 2**30:.3f}" for r in run["ranks"]) + " | "
+              + f"{(run.get('host') or {}).get('drop', 0) / 2**30:.2f} |")
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")
     with open(os.path.join(opts.out, "functional_summary.json"), "w") as f:
-        json.dump({"checks": checks, "cases": {n: {"seconds": r["seconds"], "peak_reserved": peak_reserved(r),
-                   "losses": losses(r)} for n, r in runs.items()}}, f, indent=1)
+        json.dump({"script": script, "checks": checks,
+                   "cases": {n: {"seconds": r["seconds"], "peak_reserved": peak_reserved(r), "losses": losses(r),
+                                 "printed_losses": printed.get(n), "host": r.get("host")}
+                             for n, r in runs.items()}}, f, indent=1)
     return 1 if failed or not checks else 0
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-megatron = pytest.importorskip("megatron.core")
+import megatron.core  # noqa: E402,F401  (carried with the GPU suite: missing is a failure, not a skip)
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-megatron = pytest.importorskip("megatron.training.arguments")
+import megatron.training.arguments  # noqa: E402,F401  (a missing or broken megatron fails the suite, never skips it)
 
 import megatron_offload  # noqa: E402
 from megatron_offload import OffloadArgumentError, megatron_wiring  # noqa: E402
@@ -236,8 +236,9 @@ def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatc
     class Coord:
         chunked_step = True
         offloaders = ["a", "b"]
+        state_access = megatron_offload.OffloadCoordinator.state_access
 
-        def before_state_access(self, off, will_modify):
+        def before_state_access(self, off, will_modify, host_copies_ok=False):
             seen.append(("before", off, will_modify))
 
         def after_state_access(self, off, modified):
@@ -246,8 +247,8 @@ def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatc
     norm = megatron_wiring._wrap_calc_params_l2_norm(lambda model: seen.append("norm") or 1.5)
     monkeypatch.setattr(megatron_wiring, "coordinator", Coord())
     assert norm(None) == 1.5
-    assert seen == [("before", "a", False), ("before", "b", False), "norm", ("after", "a", False),
-                    ("after", "b", False)]
+    assert seen == [("before", "a", False), ("before", "b", False), "norm", ("after", "b", False),
+                    ("after", "a", False)]
     seen.clear()
     Coord.chunked_step = False
     assert norm(None) == 1.5 and seen == ["norm"]
@@ -292,3 +293,20 @@ def test_offloaders_attach_when_the_optimizer_is_built_before_a_resume_loads(mon
             assert order == ["load_checkpoint", "attach"]
     get_optimizer("config", model)  # outside setup: never attaches
     assert order == ["load_checkpoint"]
+
+
+def test_a_step_with_the_flag_and_nothing_attached_fails_loudly(monkeypatch):
+    """A script that built its optimizer without the hooked functions (or imported them before
+    install()) used to train with the flag and offload nothing, silently."""
+    import megatron.training.global_vars as global_vars
+
+    log = megatron_wiring._wrap_training_log(lambda *a, **k: "logged")
+    monkeypatch.setattr(megatron_wiring, "coordinator", None)
+    monkeypatch.setattr(megatron_wiring, "_stepped_aside", False)
+    monkeypatch.setattr(global_vars, "get_args", lambda: argparse.Namespace(offload_optimizer_states=False))
+    assert log() == "logged"  # flag off: nothing to say
+    monkeypatch.setattr(global_vars, "get_args", lambda: argparse.Namespace(offload_optimizer_states=True))
+    with pytest.raises(megatron_wiring.OffloadNotRunningError, match="never attached.*install\\(\\) first"):
+        log()
+    monkeypatch.setattr(megatron_wiring, "_stepped_aside", True)  # Megatron's own flag: not ours
+    assert log() == "logged"

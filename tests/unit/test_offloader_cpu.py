@@ -1208,3 +1208,80 @@ def test_writers_that_cannot_run_on_the_host_get_the_state_back(case):
     assert not any(c.on_host for c in off.chunks)
     coord.after_state_access(off, modified=True)
     assert "host_write:optimizer" not in coord.events
+
+
+def test_steps_whose_forwards_bypass_the_hooks_fail_loudly():
+    """--overlap-moe-expert-parallel-comm's combined 1F1B never called the patched forward_step:
+    the copy-out never started, the state stayed on the GPU and only "d2h 0.00 GiB" was logged.
+    Driven here with only what that path still calls: the reload trigger and the step."""
+    from megatron_offload.coordinator import OffloadNotRunningError
+
+    opt = FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        coord.grads_finalizing()
+        make_grads(opt.all_params(), step)
+        opt.step()
+        if step == 0:
+            coord.optimizer_step_done()
+        else:
+            with pytest.raises(OffloadNotRunningError, match="overlap-moe-expert-parallel-comm"):
+                coord.optimizer_step_done()
+    assert coord._hook_handles == []  # detached: the optimizer goes on without us
+
+
+def test_add_optimizer_refuses_what_it_cannot_offload():
+    coord = make_coord()
+    plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
+    with pytest.raises(TypeError, match="DistributedOptimizer.*got a AdamW"):
+        coord.add_optimizer(plain)
+
+    class Chained:
+        chained_optimizers = [FakeDistOpt()]
+
+    with pytest.raises(TypeError, match="ChainedOptimizer"):
+        coord.add_optimizer(Chained())
+    assert coord.offloaders == []
+
+
+@pytest.mark.parametrize("where", ["preparation", "access", "access_and_closing"])
+def test_checkpoint_access_is_exception_safe(where, monkeypatch, caplog):
+    """A failure while preparing an access (a reload that runs out of memory), inside it (a save
+    that raises) or also while closing it leaves no access open: before, a caught exception left
+    the coordinator believing it was inside a checkpoint access, so it skipped the reload before
+    the next step (Adam on freed storage). The original error is the one raised."""
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    coord.forward_begin(True)  # state leaving / off the GPU, as at a save between steps
+    if where == "preparation":
+        monkeypatch.setattr(off, "make_resident", lambda **k: (_ for _ in ()).throw(MemoryError("reload")))
+    if where == "access_and_closing":
+        monkeypatch.setattr(off, "start_copy_out", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("close")))
+    with pytest.raises(MemoryError, match="reload" if where == "preparation" else "save"):
+        with coord.state_access([off], will_modify=False):
+            raise MemoryError("save")
+    monkeypatch.undo()
+    assert coord._suspended == 0 and coord._accesses == []
+    if where == "access_and_closing":
+        assert "closing" in caplog.text
+    coord.forward_end()
+    coord.backward_begin()
+    coord.grads_finalizing()
+    for step in range(2, 4):  # the steps still reload first: training stays bit-exact
+        make_grads(ref.all_params(), step)
+        ref.step()
+        make_grads(opt.all_params(), step)
+        opt.step()
+        coord.optimizer_step_done()
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+        coord.forward_begin(True)
+        coord.forward_end()
+        coord.backward_begin()
+        coord.grads_finalizing()

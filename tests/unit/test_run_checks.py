@@ -10,8 +10,10 @@ from megatron_runs import save_growth_check  # noqa: E402
 MiB = 2**20
 
 
-def rank(grew, state=0):
-    return {"saves": [{"allocated_before": 1000 * MiB, "max_allocated": (1000 + grew) * MiB}],
+def rank(grew, state=0, off=None):
+    off = state if off is None else off
+    return {"saves": [{"allocated_before": 1000 * MiB, "max_allocated": (1000 + grew) * MiB,
+                       "offloaded_before": off * MiB}],
             "offloaded_bytes": state * MiB}
 
 
@@ -23,6 +25,13 @@ def test_a_save_that_reads_host_copies_passes():
 def test_a_save_that_brings_the_state_back_fails():
     ok, detail = save_growth_check(rank(10), rank(10 + 256, state=256))
     assert not ok, detail
+
+
+def test_a_save_with_nothing_off_the_gpu_proves_nothing_and_fails():
+    """The unchunked step saves with the whole state resident: no state to bring back, so a
+    passing bound there would say nothing about the bounded save."""
+    ok, detail = save_growth_check(rank(10), rank(10, state=256, off=0))
+    assert not ok and "at least 0 MiB off" in detail
 
 
 def test_no_save_recorded_fails():
@@ -106,3 +115,29 @@ def test_alloc_trace_labels_microbatches_and_finds_each_iterations_peak():
     peaks = iteration_peaks(trace, labels)
     # Iteration 1's reserved peak (140 MiB) is where fwd 1 mapped more; "there" is after its 60 MiB request.
     assert peaks == [(1, 140 * MiB, "iteration 1 fwd 1", 90 * MiB), (2, 100 * MiB, "iteration 2 begin", 30 * MiB + 512 * 1028)]
+
+
+def iters(*reserved):
+    return {"iterations": [{"max_reserved": r * MiB} for r in reserved], "offloaded_bytes": 0}
+
+
+def test_reserved_saving_needs_half_the_state_after_warm_up():
+    from megatron_runs import reserved_saving_check
+
+    plain = iters(9000, 4000, 4000)  # a start-up spike in iteration 0 is not counted
+    ours = dict(iters(3000, 3490, 3500), offloaded_bytes=1000 * MiB)
+    ok, detail = reserved_saving_check(plain, ours, first=1)
+    assert ok, detail
+    ours = dict(iters(3000, 3600, 3960), offloaded_bytes=1000 * MiB)  # 40 MiB: inside the noise
+    ok, detail = reserved_saving_check(plain, ours, first=1)
+    assert not ok and "saved 0.04 of 0.98 GiB" in detail
+    assert not reserved_saving_check(plain, iters(1, 1, 1), first=1)[0]  # nothing offloaded
+
+
+def test_printed_losses_are_read_per_iteration():
+    from megatron_runs import printed_losses
+
+    log = (" [2026-11-24 15:21:18] iteration       21/      30 | consumed samples:  336 | "
+           "elapsed time per iteration (ms): 778.1 | lm loss: 1.374460E+00 | loss scale: 1.0 |\n"
+           "[rank0] iteration 22/30 | lm loss: 1.499969E+00 | grad norm: 2.1 |\n")
+    assert printed_losses(log) == {21: "1.374460E+00", 22: "1.499969E+00"}

@@ -60,6 +60,7 @@ def test_flag_off_checks_nothing():
         (dict(exp_avg_dtype="fp8"), ["--exp-avg-dtype fp8"]),
         (dict(exp_avg_sq_dtype="fp8"), ["--exp-avg-sq-dtype fp8"]),
         (dict(async_save=True), ["--async-save"]),
+        (dict(overlap_moe_expert_parallel_comm=True), ["--overlap-moe-expert-parallel-comm", "never leave the GPU"]),
     ],
 )
 def test_each_rejection_names_the_flag(overrides, expected):
