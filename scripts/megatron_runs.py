@@ -251,6 +251,25 @@ def reserved_saving_check(plain_rank, offload_rank, first, share=0.5):
                 f"{(plain - ours) / 2**30:.2f} of {state / 2**30:.2f} GiB offloaded (needs >= {share:.0%})")
 
 
+def megatron_printed(recorded, first_iteration):
+    """{iteration: loss as megatron-core 0.19 prints it with --log-interval 1} for a run whose
+    `recorded` losses (float hex, from train_step) begin at `first_iteration`.
+
+    Megatron's training_log does not reset its loss accumulator after the first iteration a
+    process logs (`is_first_iteration`: "log stats but don't reset accumulators"), so the next
+    line prints the float32 sum of both over 2: the mean of a run's first two iterations, in a
+    fresh run and after every resume alike. Every other line is the iteration's own loss."""
+    import numpy as np
+
+    out = {}
+    values = [float.fromhex(x) for x in recorded]
+    for k, value in enumerate(values):
+        if k == 1:
+            value = float(np.float32(values[0]) + np.float32(values[1])) / 2.0
+        out[first_iteration + k] = "{:.6E}".format(value)
+    return out
+
+
 def printed_losses(log_text):
     """{iteration: 'lm loss' as Megatron printed it} from a run's log (the user's view of a run;
     the recorder's losses come from train_step's return value)."""

@@ -5,6 +5,7 @@ megatron-offload's launcher with the functional tests' run recorder installed.
 
 The recorder (scripts/pretrain_gpt_mock.py's `Recorder`, enabled by MEGATRON_OFFLOAD_RECORD) wraps
 megatron.training's module functions, so it works with a script it knows nothing about.
+MEGATRON_OFFLOAD_NO_PLUGIN=1: the script runs without megatron-offload installed (isolating runs).
 MEGATRON_OFFLOAD_KILL_AT=<iteration>: every rank SIGKILLs itself (by its own process id) right
 after the second forward of that iteration, i.e. mid-iteration with the state offloaded.
 """
@@ -42,10 +43,12 @@ def _install_kill(iteration: int) -> None:
 
 
 def main() -> None:
-    import megatron_offload
+    no_plugin = os.environ.get("MEGATRON_OFFLOAD_NO_PLUGIN") == "1"
+    if not no_plugin:
+        import megatron_offload
 
-    # The plugin first, the recorder around it: the order `-m megatron_offload` gives the mock.
-    megatron_offload.install()
+        # The plugin first, the recorder around it: the order `-m megatron_offload` gives the mock.
+        megatron_offload.install()
     if os.environ.get("MEGATRON_OFFLOAD_RECORD"):
         from pretrain_gpt_mock import Recorder
 
@@ -53,6 +56,14 @@ def main() -> None:
         os.environ["MEGATRON_OFFLOAD_RECORDER_INSTALLED"] = "1"  # (the mock then skips its own)
     if os.environ.get("MEGATRON_OFFLOAD_KILL_AT"):
         _install_kill(int(os.environ["MEGATRON_OFFLOAD_KILL_AT"]))
+    if no_plugin:  # none of the plugin's code: the script as a user runs it without us
+        import runpy
+
+        script = sys.argv[1]
+        sys.argv = sys.argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        runpy.run_path(script, run_name="__main__")
+        return
     from megatron_offload.__main__ import main as launch
 
     launch(sys.argv[1:])

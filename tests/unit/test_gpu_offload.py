@@ -210,7 +210,11 @@ def test_state_fraction_bit_exact_and_only_the_rest_stays_resident():
     coord.close()
 
 
-def test_auto_fraction_repack_releases_the_old_chunks(monkeypatch):
+DELAYS = pytest.mark.parametrize("delay_cycles", [0, 50_000_000], ids=["", "copy-stream-delays"])
+
+
+@DELAYS
+def test_auto_fraction_repack_releases_the_old_chunks(monkeypatch, delay_cycles):
     """The automatic mode re-packs the state after its calibration iteration: afterwards the GPU
     holds the kept part more than full offloading did, nothing else (before the fix the replaced
     chunk buffers stayed allocated: the whole state a second time, here and on R3)."""
@@ -221,7 +225,7 @@ def test_auto_fraction_repack_releases_the_old_chunks(monkeypatch):
     ref_losses, _, ref_digest = reference()
     torch.cuda.empty_cache()
     model, optimizer = build()
-    coord = attach(model, optimizer, auto_fraction_at=2)
+    coord = attach(model, optimizer, delay_cycles=delay_cycles, auto_fraction_at=2)
     level = {}
 
     def check(step, mb):
@@ -360,8 +364,9 @@ def test_piecewise_step_on_the_real_distributed_optimizer_is_bit_identical():
     assert digest(model, optimizer) == ref_digest
 
 
+@DELAYS
 @pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16-skipped-steps"])
-def test_chunked_step_bit_exact_and_its_peak_bounded(fp16):
+def test_chunked_step_bit_exact_and_its_peak_bounded(fp16, delay_cycles):
     """--offload-chunked-step on the real DistributedOptimizer: identical results (skipped steps
     included), and the step never holds more than its budget of state (plus one piece's Adam
     temporaries), measured from the allocator's peak during `optimizer.step()`."""
@@ -370,7 +375,7 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16):
     ref_losses, ref_skipped, ref_digest = reference(poison_steps=poison, **kw)
     torch.cuda.empty_cache()
     model, optimizer = build(**kw)
-    coord = attach(model, optimizer, chunked_step=True, chunk_bytes=8 * 2**20)
+    coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=True, chunk_bytes=8 * 2**20)
     slot = max(c.gpu_nbytes for off in coord.offloaders for c in off.chunks)
     coord.step_budget_bytes = 2 * slot
     excess = []
@@ -397,7 +402,8 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16):
     coord.close()
 
 
-def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path):
+@DELAYS
+def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path, delay_cycles):
     """A torch_dist checkpoint (megatron.core.dist_checkpointing, dp_reshardable as Megatron
     saves it) loaded into a running, offloading DistributedOptimizer: the template's tensors are
     the host copies, so the load sends the state out and brings none of it back (allocated memory
@@ -431,7 +437,7 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path):
     want_digest = digest(model_a, opt_a)
 
     model_b, opt_b = build(seed=4321)  # other weights: everything must come from the checkpoint
-    coord = attach(model_b, opt_b)
+    coord = attach(model_b, opt_b, delay_cycles=delay_cycles)
     for off in coord.offloaders:
         megatron_wiring._wrap_state_access(coord, off, off.dist_opt)
     train(model_b, opt_b, coord, steps=2)  # stepped: the state is resident, its copy-out due
