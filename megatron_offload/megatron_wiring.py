@@ -12,8 +12,8 @@ unmodified megatron-core 0.19 installation:
   megatron.training.training.finalize_model_grads     -> fallback reload trigger
   megatron.training.training.training_log             -> transfer statistics each log interval
   megatron.core.pipeline_parallel.schedules.forward_step / backward_step -> iteration pacing
-  megatron.core.datasets.utils.compile_helpers        -> skip `make` when the wheel's prebuilt
-                                                          helpers import (the wheel has no Makefile)
+
+plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading),
 
 and, per optimizer instance, the top-level `optimizer.step` (to see skipped steps) and each
 DistributedOptimizer's checkpoint/reload methods (a torch_dist save or load runs on the host
@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import validation
+from . import upstream_fixes, validation
 from .coordinator import DEFAULT_MARGIN_BYTES, OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
 from .offloader import DEFAULT_CHUNK_BYTES
@@ -549,85 +549,6 @@ def _wrap_calc_params_l2_norm(original):
     return wrapper
 
 
-def _wrap_compile_helpers(original):
-    @functools.wraps(original)
-    def wrapper(*a, **k):
-        try:
-            from megatron.core.datasets import helpers_cpp  # noqa: F401
-        except ImportError:
-            return original(*a, **k)
-        # The pip wheel ships the compiled helper but no Makefile: `make` would fail and exit.
-        return None
-
-    return wrapper
-
-
-def _wrap_distopt_state_dict(original):
-    """Compatibility fix for megatron-core 0.19 without Apex/TE (torch AdamW fallback).
-
-    `DistributedOptimizer.state_dict()` asserts that exactly one per-param `step` exists. Loading a
-    torch_dist checkpoint calls it (through `sharded_state_dict(is_loading=True)`) on a fresh
-    optimizer whose state is still empty, so every resume fails, with or without offloading.
-    With an empty state we build the same common state dict with step 0: on load it is only a
-    template, the checkpoint's values replace it.
-    """
-
-    @functools.wraps(original)
-    def wrapper(self, *a, **k):
-        from megatron.core.optimizer import distrib_optimizer
-
-        inner = getattr(self, "optimizer", None)
-        if (
-            distrib_optimizer.HAVE_APEX_OR_TE
-            or inner is None
-            or any("step" in s for s in inner.state.values())
-            or getattr(self.ddp_config, "use_megatron_fsdp", False)
-        ):
-            return original(self, *a, **k)
-        inner_state_dict = inner.state_dict()
-        state_dict = {"optimizer": {k: v for k, v in inner_state_dict.items() if k != "state"}}
-        for group in state_dict["optimizer"]["param_groups"]:
-            del group["params"]
-            group["step"] = 0
-        if self.grad_scaler:
-            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
-        return state_dict
-
-    return wrapper
-
-
-def _wrap_distopt_load_state_dict(original):
-    """Compatibility fix for megatron-core 0.19 without Apex/TE (torch AdamW fallback).
-
-    Loading a torch_dist checkpoint first loads a template (`sharded_state_dict(is_loading=True)`
-    calls `load_state_dict(self.state_dict())`), which creates per-parameter `step` tensors, and
-    the real load then leaves those at the template's value while the correct step only reaches
-    the param groups: measured on 2 x H200, every parameter resumed with step 0 instead of 10,
-    so Adam's bias correction restarts and the resumed run diverges from the uninterrupted one
-    (with or without offloading). The original code also gives all parameters one shared step
-    tensor, which torch Adam would increment once per parameter. After every load we set each
-    parameter's step, as its own tensor, from its param group.
-    """
-
-    @functools.wraps(original)
-    def wrapper(self, *a, **k):
-        from megatron.core.optimizer import distrib_optimizer
-
-        result = original(self, *a, **k)
-        inner = getattr(self, "optimizer", None)
-        if not distrib_optimizer.HAVE_APEX_OR_TE and inner is not None:
-            for group in inner.param_groups:
-                if "step" not in group:
-                    continue
-                for p in group["params"]:
-                    state = inner.state.get(p)
-                    if state and isinstance(state.get("step"), torch.Tensor):
-                        state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
-        return result
-
-    return wrapper
-
-
 def _patch(module, name: str, make_wrapper) -> None:
     original = getattr(module, name)
     if getattr(original, "_megatron_offload", False):
@@ -642,7 +563,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import megatron.core.datasets.utils as dataset_utils
     import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.training.arguments as arguments
     import megatron.training.training as training
@@ -656,11 +576,7 @@ def install() -> None:
     _patch(training, "calc_params_l2_norm", _wrap_calc_params_l2_norm)
     _patch(schedules, "forward_step", _wrap_forward_step)
     _patch(schedules, "backward_step", _wrap_backward_step)
-    _patch(dataset_utils, "compile_helpers", _wrap_compile_helpers)
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    _patch(DistributedOptimizer, "state_dict", _wrap_distopt_state_dict)
-    _patch(DistributedOptimizer, "load_state_dict", _wrap_distopt_load_state_dict)
+    upstream_fixes.install(_patch)
     _installed = True
     if os.environ.get("MEGATRON_OFFLOAD_VERBOSE"):
         _print("installed")

@@ -5,7 +5,8 @@ megatron-offload's launcher with the functional tests' run recorder installed.
 
 The recorder (scripts/pretrain_gpt_mock.py's `Recorder`, enabled by MEGATRON_OFFLOAD_RECORD) wraps
 megatron.training's module functions, so it works with a script it knows nothing about.
-MEGATRON_OFFLOAD_NO_PLUGIN=1: the script runs without megatron-offload installed (isolating runs).
+MEGATRON_OFFLOAD_NO_PLUGIN=1: the script runs without megatron-offload, only with the fix that lets
+    the pip wheel run it at all (upstream_fixes.install_wheel_fix_only; isolating runs).
 MEGATRON_OFFLOAD_KILL_AT=<iteration>: every rank SIGKILLs itself (by its own process id) right
 after the second forward of that iteration, i.e. mid-iteration with the state offloaded.
 """
@@ -56,8 +57,12 @@ def main() -> None:
         os.environ["MEGATRON_OFFLOAD_RECORDER_INSTALLED"] = "1"  # (the mock then skips its own)
     if os.environ.get("MEGATRON_OFFLOAD_KILL_AT"):
         _install_kill(int(os.environ["MEGATRON_OFFLOAD_KILL_AT"]))
-    if no_plugin:  # none of the plugin's code: the script as a user runs it without us
+    if no_plugin:  # none of the plugin's code but the pip wheel's missing-Makefile fix
         import runpy
+
+        from megatron_offload import upstream_fixes
+
+        upstream_fixes.install_wheel_fix_only()
 
         script = sys.argv[1]
         sys.argv = sys.argv[1:]

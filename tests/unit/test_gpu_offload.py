@@ -412,12 +412,11 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path, delay_cyc
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_offload import megatron_wiring
+    from megatron_offload import megatron_wiring, upstream_fixes
 
     # What install() fixes in megatron-core 0.19's torch-AdamW fallback (per-parameter `step`
     # after a load): without it the resumed run differs, offloading or not.
-    megatron_wiring._patch(DistributedOptimizer, "state_dict", megatron_wiring._wrap_distopt_state_dict)
-    megatron_wiring._patch(DistributedOptimizer, "load_state_dict", megatron_wiring._wrap_distopt_load_state_dict)
+    upstream_fixes.install(megatron_wiring._patch)
     metadata = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False,
                 "chained_optim_avoid_prefix": True,
                 "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}

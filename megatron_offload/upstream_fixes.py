@@ -1,0 +1,115 @@
+"""Fixes for megatron-core 0.19 itself, unrelated to offloading, applied by `install()`.
+
+They make a pip install of megatron-core run Megatron-LM's own scripts at all, with or without
+--offload-optimizer-states:
+
+  compile_helpers   the wheel ships the compiled dataset helper but no Makefile, and
+                    `initialize_megatron` runs `make` on rank 0, which fails and exits: skip the
+                    build when the prebuilt `helpers_cpp` imports.
+  DistributedOptimizer.state_dict / load_state_dict
+                    without Apex or Transformer Engine (the torch AdamW fallback) a torch_dist
+                    resume fails (empty state) or restarts Adam's bias correction (every
+                    parameter's `step` left at the template's value): see each wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _wrap_compile_helpers(original):
+    @functools.wraps(original)
+    def wrapper(*a, **k):
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            return original(*a, **k)
+        # The pip wheel ships the compiled helper but no Makefile: `make` would fail and exit.
+        return None
+
+    return wrapper
+
+
+def _wrap_distopt_state_dict(original):
+    """Compatibility fix for megatron-core 0.19 without Apex/TE (torch AdamW fallback).
+
+    `DistributedOptimizer.state_dict()` asserts that exactly one per-param `step` exists. Loading a
+    torch_dist checkpoint calls it (through `sharded_state_dict(is_loading=True)`) on a fresh
+    optimizer whose state is still empty, so every resume fails, with or without offloading.
+    With an empty state we build the same common state dict with step 0: on load it is only a
+    template, the checkpoint's values replace it.
+    """
+
+    @functools.wraps(original)
+    def wrapper(self, *a, **k):
+        from megatron.core.optimizer import distrib_optimizer
+
+        inner = getattr(self, "optimizer", None)
+        if (
+            distrib_optimizer.HAVE_APEX_OR_TE
+            or inner is None
+            or any("step" in s for s in inner.state.values())
+            or getattr(self.ddp_config, "use_megatron_fsdp", False)
+        ):
+            return original(self, *a, **k)
+        inner_state_dict = inner.state_dict()
+        state_dict = {"optimizer": {k: v for k, v in inner_state_dict.items() if k != "state"}}
+        for group in state_dict["optimizer"]["param_groups"]:
+            del group["params"]
+            group["step"] = 0
+        if self.grad_scaler:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        return state_dict
+
+    return wrapper
+
+
+def _wrap_distopt_load_state_dict(original):
+    """Compatibility fix for megatron-core 0.19 without Apex/TE (torch AdamW fallback).
+
+    Loading a torch_dist checkpoint first loads a template (`sharded_state_dict(is_loading=True)`
+    calls `load_state_dict(self.state_dict())`), which creates per-parameter `step` tensors, and
+    the real load then leaves those at the template's value while the correct step only reaches
+    the param groups: measured on 2 x H200, every parameter resumed with step 0 instead of 10,
+    so Adam's bias correction restarts and the resumed run diverges from the uninterrupted one
+    (with or without offloading). The original code also gives all parameters one shared step
+    tensor, which torch Adam would increment once per parameter. After every load we set each
+    parameter's step, as its own tensor, from its param group.
+    """
+
+    @functools.wraps(original)
+    def wrapper(self, *a, **k):
+        from megatron.core.optimizer import distrib_optimizer
+
+        result = original(self, *a, **k)
+        inner = getattr(self, "optimizer", None)
+        if not distrib_optimizer.HAVE_APEX_OR_TE and inner is not None:
+            for group in inner.param_groups:
+                if "step" not in group:
+                    continue
+                for p in group["params"]:
+                    state = inner.state.get(p)
+                    if state and isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+        return result
+
+    return wrapper
+
+
+def install(patch) -> None:
+    """Apply every fix; `patch(module, name, make_wrapper)` wraps once (megatron_wiring._patch)."""
+    import megatron.core.datasets.utils as dataset_utils
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patch(dataset_utils, "compile_helpers", _wrap_compile_helpers)
+    patch(DistributedOptimizer, "state_dict", _wrap_distopt_state_dict)
+    patch(DistributedOptimizer, "load_state_dict", _wrap_distopt_load_state_dict)
+
+
+def install_wheel_fix_only() -> None:
+    """Only the Makefile fix (isolating runs: a script with none of the plugin's other code)."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    dataset_utils.compile_helpers = _wrap_compile_helpers(dataset_utils.compile_helpers)
