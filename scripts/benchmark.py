@@ -126,10 +126,29 @@ def variant_args(variant):
 MAX_ITERS = {"cpu-offload": 14, "native-offload": 10}
 
 
+def soak_stats(iterations, warmup, window=100):
+    """Long-run figures over iterations[warmup:]: p50/p99 step time and their ratio, and peak
+    reserved memory of the first and the last `window` iterations (creep: last / first - 1).
+    None for runs shorter than two windows."""
+    timed = iterations[warmup:]
+    if len(timed) < 2 * window:
+        return None
+    ms = sorted(it["ms"] for it in timed)
+    p50, p99 = ms[len(ms) // 2], ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
+    first = max(it["max_reserved"] for it in timed[:window])
+    last = max(it["max_reserved"] for it in timed[-window:])
+    slowest = sorted(range(len(timed)), key=lambda i: timed[i]["ms"])[-5:]
+    return {"iterations": len(timed), "p50_ms": p50, "p99_ms": p99, "p99_over_p50": p99 / p50,
+            "max_ms": ms[-1], "slowest_iterations": [warmup + i + 1 for i in sorted(slowest)],
+            "reserved_first_gib": first / 2**30, "reserved_last_gib": last / 2**30,
+            "reserved_creep": last / first - 1}
+
+
 def summarize(run, warmup):
     ranks = run["ranks"]
     steps = [it["ms"] for it in ranks[0]["iterations"][warmup:]]
     return {
+        "soak": soak_stats(ranks[0]["iterations"], warmup),
         "median_ms": statistics.median(steps),
         # Whole run (start-up included), and steady state (iterations after warm-up).
         "max_allocated_gib": [run_peak(r, "max_allocated") / 2**30 for r in ranks],
@@ -293,6 +312,17 @@ def report(results, ceilings):
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
+    for name, r in results.items():
+        soak, ref = r.get("soak"), reference(results, name)
+        if soak:
+            against = ""
+            if ref and ref.get("soak") and ref is not r:
+                against = (f"; p99/p50 {soak['p99_over_p50'] / ref['soak']['p99_over_p50']:.3f}x the baseline's "
+                           f"({ref['soak']['p99_over_p50']:.3f})")
+            notes.append(f"{name} soak over {soak['iterations']} iterations: p50 {soak['p50_ms']:.1f} ms, p99 "
+                         f"{soak['p99_ms']:.1f} ms (p99/p50 {soak['p99_over_p50']:.3f}{against}), max {soak['max_ms']:.1f} ms "
+                         f"at iterations {soak['slowest_iterations']}; peak reserved first 100 {soak['reserved_first_gib']:.2f} "
+                         f"GiB, last 100 {soak['reserved_last_gib']:.2f} GiB ({soak['reserved_creep']:+.2%})")
     print("\n".join(notes))
 
 

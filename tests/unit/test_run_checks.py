@@ -141,3 +141,17 @@ def test_printed_losses_are_read_per_iteration():
            "elapsed time per iteration (ms): 778.1 | lm loss: 1.374460E+00 | loss scale: 1.0 |\n"
            "[rank0] iteration 22/30 | lm loss: 1.499969E+00 | grad norm: 2.1 |\n")
     assert printed_losses(log) == {21: "1.374460E+00", 22: "1.499969E+00"}
+
+
+def test_soak_stats_report_tail_latency_and_reserved_creep():
+    from benchmark import soak_stats
+
+    its = [{"ms": 100.0, "max_reserved": 1000 * MiB} for _ in range(320)]
+    its[150]["ms"] = 400.0  # one outlier: p99 of 300 timed iterations is the 297th of 300
+    for it in its[-100:]:
+        it["max_reserved"] = 1010 * MiB
+    s = soak_stats(its, warmup=20)
+    assert s["iterations"] == 300 and s["p50_ms"] == 100.0 and s["max_ms"] == 400.0
+    assert s["p99_ms"] == 100.0 and s["slowest_iterations"][-1] == 151 or 151 in s["slowest_iterations"]
+    assert abs(s["reserved_creep"] - 0.01) < 1e-9
+    assert soak_stats(its[:150], warmup=20) is None  # too short for two windows
