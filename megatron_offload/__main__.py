@@ -20,8 +20,12 @@ def main(argv=None) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"megatron_offload: no such training script: {script}")
     import megatron_offload
+    from megatron_offload.compat import IncompatibleMegatronError
 
-    megatron_offload.install()
+    try:
+        megatron_offload.install()
+    except IncompatibleMegatronError as err:
+        raise SystemExit(f"megatron_offload: {err}") from err
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")

@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import upstream_fixes, validation
+from . import compat, upstream_fixes, validation
 from .coordinator import DEFAULT_MARGIN_BYTES, OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
 from .offloader import DEFAULT_CHUNK_BYTES
@@ -567,6 +567,9 @@ def install() -> None:
     import megatron.training.arguments as arguments
     import megatron.training.training as training
 
+    note = compat.check()  # (raises IncompatibleMegatronError before anything is patched)
+    if note:
+        _print(note)
     _patch(arguments, "add_megatron_arguments", _wrap_add_megatron_arguments)
     _patch(arguments, "validate_args", _wrap_validate_args)
     _patch(training, "setup_model_and_optimizer", _wrap_setup_model_and_optimizer)

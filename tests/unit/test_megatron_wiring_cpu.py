@@ -310,3 +310,37 @@ def test_a_step_with_the_flag_and_nothing_attached_fails_loudly(monkeypatch):
         log()
     monkeypatch.setattr(megatron_wiring, "_stepped_aside", True)  # Megatron's own flag: not ours
     assert log() == "logged"
+
+
+def test_every_hook_point_matches_the_installed_megatron():
+    from megatron_offload import compat
+
+    assert compat.mismatches() == []
+    assert compat.check() is None  # 0.19.x: validated, nothing to say
+
+
+def test_a_changed_or_missing_hook_point_is_one_clear_error(monkeypatch):
+    """A Megatron whose functions moved or changed shape is refused at install(), naming each
+    mismatch, instead of wrappers passing through (or indexing the wrong argument) silently."""
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    from megatron_offload import compat
+
+    def forward_step(model, forward_step_func, data_iterator):  # model moved to the front
+        pass
+
+    monkeypatch.setattr(schedules, "forward_step", forward_step)
+    points = compat.HOOK_POINTS + (("megatron.training.training", "no_such_function", (), ()),)
+    with pytest.raises(compat.IncompatibleMegatronError) as err:
+        compat.check(points)
+    text = str(err.value)
+    assert "schedules.forward_step('model', 'forward_step_func', 'data_iterator') does not start with" in text
+    assert "megatron.training.training.no_such_function is missing" in text
+    assert "megatron-core 0.19" in text
+
+
+def test_an_unvalidated_release_with_matching_hooks_gets_a_note(monkeypatch):
+    from megatron_offload import compat
+
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.21.0")
+    assert "0.21.0" in compat.check() and "validated on 0.19.x only" in compat.check()
