@@ -171,6 +171,7 @@ class OffloadCoordinator:
         # One entry per state access in progress (nested ones inside others): "host_read" or
         # "host_write" where it runs on the exposed host copies, "gpu" where it took the state back.
         self._accesses: List[str] = []
+        self._nested_writes = False  # a write inside a nested access, applied when the outermost closes
         # Writers may run on the host copies (`before_state_access`); off where the load path
         # needs the state on the GPU (e.g. Megatron's fully parallel load exchanges it over NCCL).
         self.host_loads = host_loads
@@ -965,6 +966,13 @@ class OffloadCoordinator:
             off.accept_host_writes()
             self.phase = Phase.FREEING if self._chunks(ChunkState.COPYING_OUT) else Phase.OFFLOADED
             return
+        if self._accesses:
+            # Nested in another access (e.g. TE's `state_dict` inside a load's
+            # `sharded_state_dict`): the state stays as it is until the outermost one closes, which
+            # then re-discovers it if anything inside wrote.
+            self._nested_writes = self._nested_writes or modified
+            return
+        modified, self._nested_writes = modified or self._nested_writes, False
         # A host reader leaves what was exposed on the host until the next forward (the save may
         # still read it: `_hide_host_copies`); what was resident is sent out as after any reader.
         if modified:

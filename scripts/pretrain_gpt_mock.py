@@ -506,6 +506,9 @@ class Recorder:
                     "timeline": self.timelines[0] if self.timelines else None,  # (the first; readers of old records)
                     "timelines": self.timelines,
                     "adam_state_bytes": self.adam_state_bytes(),
+                    # Which optimizer megatron-core chose (TE FusedAdam when TE is installed).
+                    "inner_optimizers": [f"{type(d.optimizer).__module__}.{type(d.optimizer).__qualname__}"
+                                         for d in distributed_optimizers(self.optimizer)],
                     # Whether the caching allocator ran with expandable segments (set by the
                     # user, or turned on by the plugin): None where the snapshot does not say.
                     "expandable_segments": _expandable_segments(),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one call (for a lent multi-GPU machine with no package index):
-#   1. install carried wheels from .whl/ (megatron-core) if present,
+#   1. install carried wheels from .whl/ (megatron-core) if present, and with TE=1 Transformer Engine
+#      from te_carry/ (scripts/prepare_te.sh),
 #   2. GPU unit tests (pytest -m gpu, 1 GPU, real DistributedOptimizer),
 #   3. functional runs through torchrun (bit-exact losses/params, memory, checkpoint resume),
 #   4. optionally the parallel-layout matrix (stage `matrix`, 2-4 GPUs),
@@ -32,6 +33,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+if [ "${TE:-0}" = 1 ]; then
+  # Transformer Engine from the carried bundle (scripts/prepare_te.sh); megatron-core then uses
+  # TE's FusedAdam, and TE layers with --transformer-impl transformer_engine.
+  SP=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  T0=$(date +%s)
+  bash te_carry/install_te.sh te_carry /tmp/te_site python3 > "$OUT/te_install.log" 2>&1 || { cat "$OUT/te_install.log"; exit 1; }
+  export PYTHONPATH=/tmp/te_site:$PYTHONPATH
+  export LD_LIBRARY_PATH=$SP/nvidia/nccl/lib:$SP/nvidia/cu13/lib:$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  python3 -c 'import torch, transformer_engine.pytorch as te, transformer_engine; print("TE", transformer_engine.__version__)' \
+    2>&1 | tail -1 | tee -a "$OUT/te_install.log"
+  echo "TE install: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/te_install.log"
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m; } | tee "$OUT/gpus.txt"
 status=0

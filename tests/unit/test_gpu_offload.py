@@ -440,7 +440,12 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path, delay_cyc
     for off in coord.offloaders:
         megatron_wiring._wrap_state_access(coord, off, off.dist_opt)
     train(model_b, opt_b, coord, steps=2)  # stepped: the state is resident, its copy-out due
-    assert all(off.host_writes_supported() for off in coord.offloaders)
+    # torch Adam writes loaded values in place, so the load can write into the host copies; TE
+    # FusedAdam (when Transformer Engine is installed) rebuilds its state: the load then takes the
+    # state back to the GPU, and only the training results are checked.
+    on_host = all(off.host_writes_supported() for off in coord.offloaders)
+    assert on_host == all(type(off.dist_opt.optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+                          for off in coord.offloaders)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -448,6 +453,11 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path, delay_cyc
     model_b.module.module.load_state_dict(loaded["model"])
     opt_b.load_state_dict(loaded["optimizer"])
     torch.cuda.synchronize()
+    if not on_host:
+        got, _ = train(model_b, opt_b, coord, steps=3, first_step=3)
+        assert got == want and digest(model_b, opt_b, coord) == want_digest
+        coord.close()
+        return
     assert any(e.startswith("host_write:") for e in coord.events)
     assert all(c.state is ChunkState.OFFLOADED and c.host_valid for off in coord.offloaders for c in off.chunks)
     assert torch.cuda.memory_allocated() <= before - 0.9 * coord.state_bytes, (before, torch.cuda.memory_allocated())

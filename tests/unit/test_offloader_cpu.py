@@ -1285,3 +1285,28 @@ def test_checkpoint_access_is_exception_safe(where, monkeypatch, caplog):
         coord.forward_end()
         coord.backward_begin()
         coord.grads_finalizing()
+
+
+@pytest.mark.parametrize("inner_writes", [False, True])
+def test_nested_accesses_on_the_gpu_leave_the_state_to_the_outermost(inner_writes):
+    """With TE FusedAdam the torch_dist load cannot write into the host copies, so a resume's
+    `sharded_state_dict(is_loading=True)` takes the state back and calls `state_dict` inside: the
+    inner reader started the copy-out on closing, and the outer writer's re-discovery then found
+    chunks in flight (AssertionError at every TE resume with offloading, one H200)."""
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord(host_loads=False)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    with coord.state_access([off], will_modify=not inner_writes):
+        with coord.state_access([off], will_modify=inner_writes):
+            assert all(c.state is ChunkState.RESIDENT for c in off.chunks)
+        assert all(c.state is ChunkState.RESIDENT for c in off.chunks)  # still ours to use
+    assert coord._accesses == [] and coord._suspended == 0 and not coord._nested_writes
+    assert all(c.state is not ChunkState.RESIDENT for c in off.chunks)  # sent out again
+    for step in range(2, 4):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))

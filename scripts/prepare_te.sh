@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Prepare Transformer Engine for a GPU machine without a package index (run here, once):
+# copies a one-carry TE bundle (TE wheels with the core library pruned to sm_90, a prebuilt
+# torch extension, TE's pure-Python dependencies; ~47 MiB) into te_carry/ (git-ignored).
+#   bash scripts/prepare_te.sh [BUNDLE_DIR=../shared/te-2.20.2]
+# Then carry te_carry to the GPU machine and run the suite with TE=1:
+#   TE=1 STAGES="unit functional" bash scripts/run_gpu_suite.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SRC=${1:-../shared/te-2.20.2}
+[ -f "$SRC/install_te.sh" ] || { echo "no TE bundle at $SRC (install_te.sh missing)" >&2; exit 1; }
+rm -rf te_carry && mkdir te_carry && cp "$SRC"/* te_carry/ && chmod -R u+w te_carry
+(cd te_carry && sha256sum -c --quiet SHA256SUMS)
+grep -qx '/te_carry/' .git/info/exclude 2>/dev/null || echo '/te_carry/' >> .git/info/exclude
+echo "te_carry/ ready ($(du -sh te_carry | cut -f1)); carry it with the GPU call"
