@@ -136,10 +136,25 @@ def _first_fit(units: List[List[StateTensor]], target: int) -> list:
 
 
 class ChunkState(enum.Enum):
-    RESIDENT = "resident"
-    COPYING_OUT = "copying_out"
-    OFFLOADED = "offloaded"
-    COPYING_IN = "copying_in"
+    RESIDENT = "resident"  # on the GPU, host copy stale (or none)
+    COPYING_OUT = "copying_out"  # on the GPU and still valid; host copy current or its D2H in flight (`ready`)
+    OFFLOADED = "offloaded"  # GPU storage freed; the host copy is the state
+    COPYING_IN = "copying_in"  # GPU storage re-allocated, H2D in flight (`ready`)
+
+
+class IllegalTransition(AssertionError):
+    """A chunk was asked to move between states the protocol does not connect."""
+
+
+# Every move a chunk may make (the self-loops: make_resident of a chunk already there). Anything
+# else is a bug in the caller's sequencing, caught here instead of as wrong numbers later.
+TRANSITIONS = {
+    ChunkState.RESIDENT: {ChunkState.RESIDENT, ChunkState.COPYING_OUT},  # start_copy_out
+    ChunkState.COPYING_OUT: {ChunkState.COPYING_OUT, ChunkState.OFFLOADED,  # free
+                             ChunkState.RESIDENT},  # make_resident(will_modify)
+    ChunkState.OFFLOADED: {ChunkState.COPYING_IN},  # start_copy_in
+    ChunkState.COPYING_IN: {ChunkState.RESIDENT, ChunkState.COPYING_OUT},  # make_resident, settle_unmodified
+}
 
 
 class Chunk:
@@ -165,6 +180,12 @@ class Chunk:
         # reload (`hide_host_copies`, `start_copy_in`).
         self.on_host = False
         self.gpu_views: Optional[List[torch.Tensor]] = None  # the tensors' GPU views while on_host
+
+    def move_to(self, state: ChunkState) -> None:
+        """The only way a chunk changes state: checked against TRANSITIONS."""
+        if state not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"chunk {self.index}: {self.state.value} -> {state.value} is not a legal move")
+        self.state = state
 
     @property
     def state_bytes(self) -> int:
@@ -624,7 +645,7 @@ class OptimizerStateOffloader:
         stale = sorted((c for c in chunks if not c.host_valid), key=lambda c: -c.address)
         for chunk in chunks:
             if chunk.host_valid:
-                chunk.state = ChunkState.COPYING_OUT
+                chunk.move_to(ChunkState.COPYING_OUT)
                 chunk.ready = None
         if not stale:
             return
@@ -637,7 +658,7 @@ class OptimizerStateOffloader:
             for chunk in stale:
                 self._copy_pieces(chunk.host, chunk.packed)
                 chunk.ready = s.record(stream)
-                chunk.state = ChunkState.COPYING_OUT
+                chunk.move_to(ChunkState.COPYING_OUT)
                 chunk.host_valid = True
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in stale))
 
@@ -672,10 +693,9 @@ class OptimizerStateOffloader:
                     s.compute_wait(ev)
         freed = 0
         for chunk in chunks:
-            assert chunk.state is ChunkState.COPYING_OUT, chunk
+            chunk.move_to(ChunkState.OFFLOADED)  # (checked before the storage goes)
             # Every state tensor of the chunk is a view of this storage.
             chunk.buffer.untyped_storage().resize_(0)
-            chunk.state = ChunkState.OFFLOADED
             chunk.ready = None
             freed += chunk.gpu_nbytes
         return freed
@@ -704,7 +724,7 @@ class OptimizerStateOffloader:
             for chunk in chunks:
                 self._copy_pieces(chunk.packed, chunk.host)
                 chunk.ready = s.record(stream)
-                chunk.state = ChunkState.COPYING_IN
+                chunk.move_to(ChunkState.COPYING_IN)
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in chunks))
         return sum(c.gpu_nbytes for c in chunks)
 
@@ -735,7 +755,7 @@ class OptimizerStateOffloader:
             chunk.ready = None
             if will_modify:
                 chunk.host_valid = False
-            chunk.state = ChunkState.COPYING_OUT if chunk.host_valid else ChunkState.RESIDENT
+            chunk.move_to(ChunkState.COPYING_OUT if chunk.host_valid else ChunkState.RESIDENT)
 
     def settle_unmodified(self) -> None:
         """After a step that did not run (inf/nan, grad-norm skip): the state is unchanged, so
@@ -752,7 +772,7 @@ class OptimizerStateOffloader:
                     s.compute_wait(chunk.ready)
             for chunk in incoming:
                 chunk.ready = None
-                chunk.state = ChunkState.COPYING_OUT
+                chunk.move_to(ChunkState.COPYING_OUT)
         self.start_copy_out()
 
     def close(self) -> None:

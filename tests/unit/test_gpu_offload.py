@@ -399,6 +399,15 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16, delay_cycles):
     assert coord.step_budgets and all(b == 2 * slot for b in coord.step_budgets)
     if fp16:
         assert any(e.startswith("skipped:") for e in coord.events)
+    # A save now (as a torch_dist save reads it: host copies allowed) sees every byte the run
+    # without offloading has, with part of the state off the GPU and read from its host copy
+    # (under the injected delays a missing wait for the copy-out would show here).
+    off_gpu = coord.bytes_in(ChunkState.OFFLOADED)
+    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
+        on_host = sum(c.on_host for off in coord.offloaders for c in off.chunks)
+        saved = digest(model, optimizer)
+    assert off_gpu > 0 and on_host > 0, (off_gpu, on_host)
+    assert saved == ref_digest
     coord.close()
 
 

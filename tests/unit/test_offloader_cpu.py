@@ -1310,3 +1310,34 @@ def test_nested_accesses_on_the_gpu_leave_the_state_to_the_outermost(inner_write
         one_iteration(ref, None, step)
         one_iteration(opt, coord, step)
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+
+
+def test_every_chunk_move_is_checked_against_the_transition_table():
+    """A chunk changes state only through Chunk.move_to: freeing a chunk whose copy-out was never
+    started (its host copy would be stale) or reloading one twice is refused before anything
+    happens to its storage."""
+    from megatron_offload.offloader import TRANSITIONS, IllegalTransition
+
+    opt = FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    one_iteration(opt, coord, 0)  # stepped: every chunk RESIDENT, its copy-out due
+    chunk = off.chunks[0]
+    assert chunk.state is ChunkState.RESIDENT
+    with pytest.raises(IllegalTransition, match="resident -> offloaded"):
+        off.free([chunk])
+    assert chunk.state is ChunkState.RESIDENT and chunk.buffer.untyped_storage().nbytes() > 0
+    off.start_copy_out([chunk])
+    off.free([chunk])
+    with pytest.raises(IllegalTransition, match="offloaded -> copying_out"):
+        chunk.move_to(ChunkState.COPYING_OUT)
+    # The table is closed over the states and every state can reach every other one.
+    assert set(TRANSITIONS) == set(ChunkState)
+    for state in ChunkState:
+        seen, todo = set(), [state]
+        while todo:
+            for nxt in TRANSITIONS[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        assert seen == set(ChunkState), state
