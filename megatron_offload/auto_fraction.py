@@ -31,10 +31,10 @@ import torch
 from . import planner
 from .streams import timed_event
 
-# Both directions at once, as a share of the sum of the two. One GPU alone: 100.8 of 110.6 GB/s
-# (x2 host), 93.7 of 110.4 (x4 host). But the ranks of a data-parallel job copy at the same moment,
-# and two GPUs of the x4 host copying both ways at once got 75.3 GB/s each of 109.6 (one way they
-# still got 55 each): that is the share the job sees.
+# Both directions at once, as a share of the sum of the two. One GPU copying alone gets a larger
+# share than this. But the ranks of a data-parallel job copy at the same moment, and GPUs of one
+# host copying both ways at once each get less (one way only, they still get their full rate): that
+# is the share the job sees. See [Note: both-directions share] in docs/design.md.
 BOTH_DIRECTIONS_SHARE = 0.68
 # Left free on the device beyond the predicted peak when memory bounds the fraction.
 MEMORY_SAFETY_BYTES = 2 * 2**30
@@ -133,14 +133,14 @@ def refine(first: Choice, second: Choice) -> Choice:
 
     Why a second one: the first calibration copies the *whole* state out beside its first forward,
     which stretches that forward by a varying amount; trimmed (`first_forward_as_the_others`) it
-    errs low where the first forward is legitimately longer (R1: 0.37-0.38 chosen, 59-65 % of what
-    the planner called free), untrimmed it erred high (0.52: 1.054x). At `first.fraction` the
-    copy-out fits the first forward's window by construction, so the second calibration's
-    forward runs nearly undisturbed and is taken as measured (untrimmed). Its free share is kept
-    within the first calibration's two estimates (trimmed and untrimmed) so that one noisy
-    iteration cannot move the choice outside what the first one bounded. Memory's bound stays the
-    first calibration's (measured with the whole state off the GPU). Measured on R1 (session 10):
-    0.37 from the first calibration every time, then 0.41, 0.42, 0.46 (1.002-1.020x)."""
+    errs low where the first forward is legitimately longer (well short of what the planner
+    called free), untrimmed it errs high (a fraction whose copy-out delays the step). At
+    `first.fraction` the copy-out fits the first forward's window by construction, so the second
+    calibration's forward runs nearly undisturbed and is taken as measured (untrimmed). Its free
+    share is kept within the first calibration's two estimates (trimmed and untrimmed) so that one
+    noisy iteration cannot move the choice outside what the first one bounded. Memory's bound
+    stays the first calibration's (measured with the whole state off the GPU). See [Note: second
+    calibration] in docs/design.md."""
     lower = first.free_fraction
     upper = max(first.free_upper, lower)
     measured = second.free_upper if second.free_upper >= 0 else second.free_fraction
@@ -157,13 +157,13 @@ def first_forward_as_the_others(timeline):
     the activation peak), and in the calibration iteration that forward is the one that runs
     beside the copy-out of the *whole* state. The copy slows it by more than the waits that
     `PhaseRecorder` can remove (the forward's kernels share the GPU's queues and memory with the
-    copy), so its compute-only length came out inflated, and by a varying amount: two identical
-    R1 runs chose 0.42 (1.012x) and 0.52 (1.054x; the planner's floor on the baseline for 0.52 is
-    1.029x). The later forwards of the same iteration run with no copy beside them. This errs on
-    the side of offloading less, by more where the first forward is legitimately longer than the
-    others (it also waits for the overlapped parameter all-gather): R1 baselines spent 52.9-54.5
-    ms in it against 51.3 in one call, 60.1 against 50.7 in another, where the trimmed choice
-    (0.37-0.38, 1.007-1.020x) took only 59-65 % of what the planner called free."""
+    copy), so its compute-only length came out inflated, and by a varying amount: identical runs
+    chose different fractions, the larger one slower than the planner's floor on the baseline for
+    it. The later forwards of the same iteration run with no copy beside them. This errs on the
+    side of offloading less, by more where the first forward is legitimately longer than the
+    others (it also waits for the overlapped parameter all-gather, and how much longer varies
+    from call to call): there the trimmed choice takes only part of what the planner calls free.
+    See [Note: first-forward trim] in docs/design.md."""
     forwards = [(k - 1, k) for k, (label, _, _) in enumerate(timeline)
                 if label == "fwd_end" and k > 0 and timeline[k - 1][0] == "fwd_begin"]
     if len(forwards) < 2:
@@ -184,9 +184,10 @@ def _settle(free: float, fit: float) -> float:
 def agree(choice: Choice, smallest: Callable[[float], float]) -> Choice:
     """The choice with the free fraction the whole data-parallel group agrees on (`smallest`: the
     minimum over the group, a collective). Ranks that step in lockstep wait for the slowest one,
-    so a rank offloading more than its neighbours' free share stalls all of them (R1, measured:
-    0.41 and 0.46 chosen by the two ranks, 1.025x; the planner's floor for 0.41 is 1.003x). The
-    memory bound stays this rank's own: needing more off than is free is worth the stall."""
+    so a rank offloading more than its neighbours' free share stalls all of them: the group then
+    runs well above the planner's floor for the smaller share (see [Note: group agreement] in
+    docs/design.md). The memory bound stays this rank's own: needing more off than is free is
+    worth the stall."""
     free = smallest(choice.free_fraction)
     if free >= choice.free_fraction:
         return choice

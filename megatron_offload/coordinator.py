@@ -51,7 +51,8 @@ DEFAULT_MARGIN_BYTES = 64 * 2**20
 # memory can take the one after next).
 STEP_WINDOW_CHUNKS = 3
 # Free blocks smaller than this do not count as room for a layer's backward temporaries
-# (`_fitting`): those are activation-sized (R1: 256 MiB), and a reload must not leave only crumbs.
+# (`_fitting`): those are activation-sized, and a reload must not leave only crumbs.
+# See [Note: backward workspace] in docs/design.md.
 WORKSPACE_MIN_BLOCK = 64 * 2**20
 # Points of the iteration where `--offload-release-cached-memory` may hand free cached memory back
 # to the driver: when the last chunk is freed in the first forward ("offloaded"), at each later
@@ -126,11 +127,12 @@ class OffloadCoordinator:
         # Bytes ever allocated (the allocator's cumulative counter), to measure what one layer's
         # backward allocates: that much free memory stays free while chunks reload (`_fitting`).
         self._allocated_total = allocated_total or _allocator_stat(self.device, "allocated")
-        # False: reloads ignore the next layer's workspace (`_fitting`; the rule before session 11,
-        # kept as a switch so that the benchmark can measure both in one call).
+        # False: reloads ignore the next layer's workspace (`_fitting`; the earlier rule, kept as
+        # a switch so that the benchmark can measure both in one call).
         self.keep_backward_workspace = keep_backward_workspace
         # The forward's frees block the host until their copy-out is done (`_free_until`; off by
-        # default: not shown to help, measured to cost up to 1 %).
+        # default: not shown to help, and the host's wait costs step time; see [Note: host waits
+        # at free] in docs/design.md).
         self.host_waits_at_free = host_waits_at_free
         self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
         self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
@@ -297,12 +299,13 @@ class OffloadCoordinator:
         # With `host_waits_at_free` the host waits for the copy-out of what it frees, as the
         # compute stream must. The idea: a forward that needs the memory before the D2H is done
         # stalls the GPU here; a host that does not stall with it runs ahead by the whole stall
-        # (R1's shape on one GPU: 227 ms per iteration), and memory freed meanwhile across streams
-        # (the weight gradients, which Megatron's DDP accumulates on a stream of its own) is only
-        # reusable once the GPU gets there: allocations made that far ahead map new memory.
-        # Measured on one H200 (R1's shape, 14.29 GiB of state), peak reserved 32.02-34.07 GiB
-        # with the wait against 33.89-34.12 without (29.72 allocated), at +3 to +8 ms per ~1020 ms
-        # step: not a clear gain, so off by default (MEGATRON_OFFLOAD_HOST_WAIT=1 turns it on).
+        # (which can be a large part of an iteration where the state is large against the copy
+        # window), and memory freed meanwhile across streams (the weight gradients, which
+        # Megatron's DDP accumulates on a stream of its own) is only reusable once the GPU gets
+        # there: allocations made that far ahead map new memory. With the wait the reserved peak
+        # came out lower in some iterations and not in others, and every step took a little
+        # longer: not a clear gain, so off by default (MEGATRON_OFFLOAD_HOST_WAIT=1 turns it on).
+        # See [Note: host waits at free] in docs/design.md.
         start = time.perf_counter()
         freed = sum(off.free(chunks, host_waits=self.host_waits_at_free) for off, chunks in _by_offloader(chosen))
         self.free_host_wait_ms += (time.perf_counter() - start) * 1e3
@@ -326,14 +329,14 @@ class OffloadCoordinator:
         the forward and takes them back in the backward, and the blocks that activations and
         reloaded chunks leave free in between are not always the sizes later requests ask for:
         they stay mapped, the next request that fits none maps new memory above them, and the
-        reserved peak creeps up over iterations (R1: +0.4 GiB after three iterations, ~1.8 GiB free
-        but unusable at the peak). With expandable segments `empty_cache` unmaps every free page,
-        holes included, so what is mapped from here to the forward's peak is what the activations
-        really use. Cost: the host waits once per iteration for the compute stream, and the pages
-        are mapped again as the forward needs them (R1: +10-12 ms in the first forward). Measured
-        (session 8): R1's creeping rank stayed at 30.3-31.0 GiB, but every iteration's peak now
-        depends on where that iteration's mapping lands, and the functional test's small model
-        peaked higher (3.87 -> 4.24 GiB): opt-in (`--offload-release-cached-memory`).
+        reserved peak creeps up over iterations (with memory mapped and free but unusable at the
+        peak). With expandable segments `empty_cache` unmaps every free page, holes included, so
+        what is mapped from here to the forward's peak is what the activations really use. Cost:
+        the host waits once per iteration for the compute stream, and the pages are mapped again
+        as the forward needs them (the first forward takes longer). It stops the creep, but every
+        iteration's peak then depends on where that iteration's mapping lands, and a small model's
+        peak came out higher with it than without: opt-in (`--offload-release-cached-memory`).
+        See [Note: releasing cached memory] in docs/design.md.
         """
         start = time.perf_counter()
         self._hand_back_cached_memory()
@@ -357,10 +360,10 @@ class OffloadCoordinator:
         may have been placed in its memory (those of modules h, h+1, ...) are released. Reloading
         earlier, by `allocated` alone, finds enough free bytes but not in one piece: the caching
         allocator then creates a new segment and *reserved* memory grows by the chunk while
-        allocated looks fine (measured on R1: +3 to +4.5 GiB of such segments). Latest-freed
-        chunks come back first, mirroring the order in which the backward releases memory. On R1
-        this rule alone did not lower reserved memory measurably (the activations of the last
-        microbatch are not placed like the first's); `_fitting` below is what did.
+        allocated looks fine. Latest-freed chunks come back first, mirroring the order in which
+        the backward releases memory. This rule alone did not lower reserved memory measurably
+        (the activations of the last microbatch are not placed like the first's); `_fitting`
+        below is what did. See [Note: reload order] in docs/design.md.
         """
         todo = self._chunks(ChunkState.OFFLOADED)
         if position is not None:
@@ -402,12 +405,13 @@ class OffloadCoordinator:
         `grads_finalizing` reloads whatever is left, when the backward has released everything.
 
         The workspace: each layer's backward allocates temporaries and frees them before the
-        next layer's (R1: four 256 MiB blocks per layer). A chunk placed in the holes the last
-        layer's temporaries left sends the next layer's to new memory: measured on R1 (session
-        11), the reserved peak of most iterations was set so, in the last backward, by 256 MiB
-        requests with 1.4-1.6 GiB mapped but free and no hole that took them. So after the
-        placement, the free blocks of at least WORKSPACE_MIN_BLOCK (or a chunk slot) must still hold what one layer's
-        backward allocated (`backward_workspace`, measured in the iteration's first backward).
+        next layer's (a few activation-sized blocks per layer). A chunk placed in the holes the
+        last layer's temporaries left sends the next layer's to new memory: that is what set the
+        reserved peak of most iterations, in the last backward, by temporaries' requests made
+        while more than enough memory was mapped but free and no hole took them (see [Note:
+        backward workspace] in docs/design.md). So after the placement, the free blocks of at
+        least WORKSPACE_MIN_BLOCK (or a chunk slot) must still hold what one layer's backward
+        allocated (`backward_workspace`, measured in the iteration's first backward).
         """
         start = time.perf_counter()
         blocks = sorted(self._free_block_sizes())
@@ -489,8 +493,9 @@ class OffloadCoordinator:
         # A recomputation inside the backward does not count. A forward without autograd does:
         # with full activation recompute (`--recompute-granularity full`) every checkpointed
         # layer runs its forward under no_grad; skipping those hooks left the state resident
-        # until the forward's end (measured on R2: iteration 1 peaked at 16.0 GiB allocated
-        # against 10.3 GiB afterwards, and reserved memory kept that high-water mark).
+        # until the forward's end, so the first offloaded iteration peaked far above the later
+        # ones, and reserved memory kept that high-water mark (see [Note: forwards without
+        # autograd] in docs/design.md).
         if self._train_forwards == 0 or _in_backward():
             return
         h = self._position
@@ -571,8 +576,9 @@ class OffloadCoordinator:
         """Allocated bytes the backward's reloads may reach: the highest level of a forward's end
         in this iteration, which the state was already off for. With the chunked step, also the
         level the last step reached with its budget resident (before its Adam temporaries): when
-        the step is the iteration's peak (full recompute: R2), waiting for the forwards' level
-        left the whole budget to load between the backward and the step (~28 ms on R2)."""
+        the step is the iteration's peak (full recompute), waiting for the forwards' level
+        left the whole budget to load between the backward and the step, exposed as a wait
+        before it. See [Note: chunked-step budget] in docs/design.md."""
         if not self.chunked_step:
             return self._fwd_end_max
         return max(self._fwd_end_max, self._last_step_level)
@@ -641,9 +647,10 @@ class OffloadCoordinator:
         The copy-out is only *scheduled* here; it is enqueued when the next forward begins
         (`start_pending_copy_out`). Why not now: a GPU's copy engine runs the copies given to it
         in order, and the training loop reads small results to the host right after the step
-        (the loss, logging). Each such read is a D2H copy too; queued behind ~100 ms of
+        (the loss, logging). Each such read is a D2H copy too; queued behind the copy-out of the
         optimizer state it blocks the host for all of it, and with the host blocked the next
-        iteration is not enqueued: measured on R1, the GPU idled ~165 ms per iteration. By the
+        iteration is not enqueued: the GPU idles for about that copy's length every iteration
+        (see [Note: copy-out at the next forward] in docs/design.md). By the
         first forward those reads are done, and nothing is lost: the copy-out only has to
         finish before the forward's first free. (Also after the parameter all-gather: on PCIe
         hosts the D2H and NCCL share the GPU's link.)
@@ -699,7 +706,8 @@ class OffloadCoordinator:
         forwards reached with the state off (`_fwd_end_max`, the same ceiling as the backward's
         reloads), less one chunk's worth of Adam temporaries (a foreach Adam over a piece
         allocates a few piece-sized lists) and the margin. Never below STEP_WINDOW_CHUNKS chunks,
-        which the pipeline needs; when the activations leave more room (R1), the whole state.
+        which the pipeline needs; when the activations leave more room, the whole state. See
+        [Note: chunked-step budget] in docs/design.md.
         """
         slot = self._slot()
         if self.step_budget_bytes:
@@ -747,8 +755,9 @@ class OffloadCoordinator:
         is left. `free` makes the compute stream wait for the chunk's D2H, so with `keep_latest`
         the chunk stepped last is never taken: its D2H was enqueued just now, and waiting for it
         would hold the next piece's Adam, hence the next D2H, behind it: the D2H engine would
-        idle during every piece and the H2D into its room would wait for both (measured on R2:
-        13.6 ms per 512 MiB piece, against 10.7 ms for the copies alone). Left in flight, it is
+        idle during every piece and the H2D into its room would wait for both (each piece then
+        takes clearly longer than its copies alone; see [Note: freeing stepped chunks] in
+        docs/design.md). Left in flight, it is
         the next piece's room to free, by when its copy has run during that piece's Adam. The
         window is then: one chunk leaving, one stepped, one or more arriving (STEP_WINDOW_CHUNKS)."""
         candidates = self._stepped_out[:-1] if keep_latest else list(self._stepped_out)
@@ -950,8 +959,8 @@ class OffloadCoordinator:
         """Free whatever start-up left on the GPU and hand the cached memory back to the device,
         once, before the first forward: start-up created and freed the state chunk by chunk,
         and the allocator would keep those blocks (and the old per-tensor storages) in *reserved*
-        memory for the whole run (measured on R2 before chunk-by-chunk start-up: 14.5 GiB
-        reserved in every iteration with 10.3 GiB allocated at most). Returns the bytes freed."""
+        memory for the whole run (every iteration's reserved memory then stays well above what
+        it allocates; see [Note: start-up peak] in docs/design.md). Returns the bytes freed."""
         freed = self._free_until(0)
         self._hand_back_cached_memory()
         self._trace("startup_released")
@@ -1063,9 +1072,9 @@ def _in_backward() -> bool:
 
 def _free_block_reader(device: torch.device, stream) -> Optional[Callable[[], List[int]]]:
     """Reader of the free blocks of the caching allocator on `stream` (large pool only: chunks
-    are > 1 MiB). Built on the allocator snapshot: measured ~3 ms per call on R1 with the default
-    allocator, ~0.5 ms with expandable segments (counted in fit_check_ms); called only in the
-    reload window while chunks wait."""
+    are > 1 MiB). Built on the allocator snapshot, which costs milliseconds per call with the
+    default allocator and less with expandable segments (counted in fit_check_ms); called only in
+    the reload window while chunks wait. See [Note: allocator query cost] in docs/design.md."""
     if not hasattr(torch.cuda, "memory_snapshot"):
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -1089,8 +1098,9 @@ def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:
     cumulative bytes ever allocated).
 
     `torch.cuda.memory_allocated()` flattens and sorts the allocator's ~100 statistics on every
-    call (~125 us measured on H200); the hooks read one number up to ~60 times per iteration, so
-    read it straight from the nested statistics when this PyTorch has them."""
+    call (see [Note: allocator query cost] in docs/design.md); the hooks read one number up to
+    ~60 times per iteration, so read it straight from the nested statistics when this PyTorch has
+    them."""
     if device.type != "cuda":
         return lambda: 0
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -144,9 +144,9 @@ def add_arguments(parser):
         "--offload-release-cached-memory",
         action="store_true",
         help="Once per iteration, when the offloaded state has left the GPU, return PyTorch's "
-        "cached free memory to the device (torch.cuda.empty_cache). Experimental: on R1 it stopped "
-        "one rank's reserved memory creeping (+10 ms per step), on a small model it raised the "
-        "peak (each iteration maps its memory anew). (megatron-offload)",
+        "cached free memory to the device (torch.cuda.empty_cache). Experimental: it can stop "
+        "reserved memory creeping up over iterations, at some time per step, but it can also raise "
+        "the peak (each iteration maps its memory anew). (megatron-offload)",
     )
     group.add_argument(
         "--offload-copy-piece-mb",
@@ -243,10 +243,11 @@ def allocator_choice(alloc_conf: Optional[str]):
 
     With PyTorch's default caching allocator a good part of the offloaded memory stays *reserved*:
     every freed chunk is a segment of its own, the activations that fill it leave holes, and a
-    chunk coming back finds no block of its size and gets a new segment (measured on R1: 53 % of
-    the offloaded bytes came off peak reserved memory by default, 88-95 % with expandable
-    segments; the run without offloading reserves the same with both). So the plugin turns them on
-    when the user has not configured the allocator, and leaves any explicit setting alone.
+    chunk coming back finds no block of its size and gets a new segment (by default only part of
+    the offloaded bytes comes off peak reserved memory, with expandable segments most of it; the
+    run without offloading reserves the same with both; see [Note: expandable segments] in
+    docs/design.md). So the plugin turns them on when the user has not configured the allocator,
+    and leaves any explicit setting alone.
     """
     conf = (alloc_conf or "").replace(" ", "").lower()
     if not conf:

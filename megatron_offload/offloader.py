@@ -46,17 +46,17 @@ TENSOR_ALIGNMENT = 256
 # chunk slots use the same granularity.
 SLOT_ALIGNMENT = 2 * 2**20
 # Slots of 256 MiB and more are rounded up to this. A freed slot is a hole that the next forward's
-# activations fill, and the large ones come in power-of-two-like sizes (R1: 256 MiB attention
-# scores, 500 MiB fp32 logits); a slot a little short of them is the worst case. Measured on R1
-# (allocator history, rank 0): 498 MiB holes next to 500 MiB logits requests, each of which then
-# mapped new memory (reserved crept by 60-240 MiB per iteration after the first), and 244 MiB
-# remainders beside 256 MiB blocks. The padding costs GPU bytes only while a chunk is resident.
+# activations fill, and the large ones (attention scores, fp32 logits) come in power-of-two-like
+# sizes; a slot a little short of them is the worst case: such a request finds only holes just too
+# small, maps new memory (reserved memory creeps up every iteration), and where a smaller block
+# does take the hole, the remainder is a crumb. See [Note: slot rounding] in docs/design.md. The
+# padding costs GPU bytes only while a chunk is resident.
 LARGE_SLOT_GRANULE = 64 * 2**20
 # A state smaller than this many chunks of `chunk_bytes` is split into this many (but not below
 # MIN_CHUNK_BYTES). One chunk is what packing holds twice (start-up, after the first step and
 # loads) and what a freed chunk leaves as one hole among activations; with a small state a whole-
-# state chunk made both as large as the state itself (measured on the PP2 matrix cases: 0.26 GiB
-# state in one chunk, start-up peak 0.64 GiB against 0.61 GiB for the whole run without offloading).
+# state chunk made both as large as the state itself, and start-up then peaked above the whole run
+# without offloading. See [Note: small states] in docs/design.md.
 MIN_CHUNKS = 8
 MIN_CHUNK_BYTES = 16 * 2**20
 
@@ -117,10 +117,10 @@ def _first_fit(units: List[List[StateTensor]], target: int) -> list:
     """Chunk layouts [tensors, offsets, packed bytes] with each unit (one parameter's tensors) in
     the first chunk that has room for it. Filling chunks strictly in order would close a chunk
     half-empty before every large unit (an embedding's master and moments), and every chunk is
-    padded to the largest: measured on the PP2 matrix cases, 0.26 GiB of state took 0.73 GiB of
-    GPU buffers, and the step, which has them all back, became the run's peak. Chunks then hold
-    parameters out of order; nothing depends on that order (the fraction split is made before
-    packing, the chunked step steps chunk by chunk)."""
+    padded to the largest: a small state then took several times its size in GPU buffers, and
+    the step, which has them all back, became the run's peak (see [Note: small states] in
+    docs/design.md). Chunks then hold parameters out of order; nothing depends on that order (the
+    fraction split is made before packing, the chunked step steps chunk by chunk)."""
     layouts = []
     for unit in units:
         size = _unit_bytes(unit)
@@ -316,8 +316,8 @@ class OptimizerStateOffloader:
         # allocator never merges blocks of different segments: a chunk reloaded into the block
         # another, smaller chunk left behind leaves that one with no block of its size, and it
         # gets a new segment, i.e. *reserved* memory grows although allocated memory did not
-        # (measured on R1 with 480 and 512 MiB chunks: new 512 MiB segments at every reload).
-        # With one slot size any freed chunk block takes any chunk.
+        # (with two chunk sizes, a new segment at every reload; see [Note: one slot size] in
+        # docs/design.md). With one slot size any freed chunk block takes any chunk.
         slot = slot_bytes(max((c.nbytes for c in chunks), default=0))
         for chunk in chunks:
             chunk.gpu_nbytes = slot
@@ -368,10 +368,10 @@ class OptimizerStateOffloader:
                 # chunk bounds the packing transient to one chunk instead of the whole state.
                 # Runs once per discovery (start, first step, loads), never per step.
                 torch.cuda.empty_cache()
-        # Release them explicitly rather than when the last Python reference goes: measured on a
-        # GPU (auto fraction re-pack on a real DistributedOptimizer, and R3), the old buffers stayed
-        # allocated after every state tensor had been re-pointed (the whole state a second time);
-        # the holder was not identified. Nothing of ours reads them any more; the compute stream
+        # Release them explicitly rather than when the last Python reference goes: on a GPU the
+        # old buffers stayed allocated after every state tensor had been re-pointed (the whole
+        # state a second time; see [Note: retired chunk buffers] in docs/design.md); the holder
+        # was not identified. Nothing of ours reads them any more; the compute stream
         # orders the packing copies that read them before any reuse of the blocks.
         for buffer in retired:
             buffer.untyped_storage().resize_(0)
@@ -416,8 +416,8 @@ class OptimizerStateOffloader:
         The moments are *placeholders* (meta tensors of the right shape and dtype): `refresh`
         creates their zeros inside the chunk that holds them, one chunk at a time, and puts the
         real tensor into the state dict. Zeros for the whole state at once were the start-up
-        peak where the step is the run's peak (measured on R2: 14.9 GiB allocated at start-up,
-        10.3 GiB at most in the iterations). Call `refresh` right after: the optimizer cannot
+        peak where the step is the run's peak, well above anything the iterations allocate (see
+        [Note: start-up peak] in docs/design.md). Call `refresh` right after: the optimizer cannot
         step on placeholders."""
         inner = getattr(self.dist_opt, "optimizer", None)
         if inner is None or getattr(self.dist_opt, "is_stub_optimizer", False):
@@ -595,8 +595,9 @@ class OptimizerStateOffloader:
         (freed) GPU buffer. Called once the reader is certainly done (the next forward), because
         code outside the step treats the state as GPU tensors even while its storage is freed:
         `DistributedOptimizer.step` assigns each master its `.grad` (a CUDA tensor) before the
-        inner step reloads it, which fails on a CPU view (measured: EP2 with a 64 MiB chunked-step
-        budget, the first step after a save). Returns the number of chunks hidden."""
+        inner step reloads it, which fails on a CPU view (the first step after a save, with a
+        chunked step whose budget leaves chunks off; see [Note: host views and .grad] in
+        docs/design.md). Returns the number of chunks hidden."""
         chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if c.on_host]
         for chunk in chunks:
             for st, view in zip(chunk.tensors, chunk.gpu_views):

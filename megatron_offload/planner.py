@@ -205,14 +205,16 @@ def _pp_stage0(microbatches, warmup, fwd_ms, bwd_ms, per_mb, tail_ms, step_ms, s
 
 
 PRESETS: Dict[str, Profile] = {
-    # R1: 24 x 2048 GPT, DP2, 4 microbatches; 6.8 GiB state, +22.7 GiB at each forward end.
+    # preset r1: 24 x 2048 GPT, DP2, 4 microbatches; 6.8 GiB state, +22.7 GiB at each forward end.
     "r1": Profile(_pp1(4, 60, 100, 22.7 * GiB, 13, 28, 2.4 * GiB), state_bytes=6.8 * GiB),
-    # R2: R1 with full recompute: +0.9 GiB at forward end, +1.6 GiB in backward; the step is the peak.
+    # preset r2: r1 with full recompute: +0.9 GiB at forward end, +1.6 GiB in backward; the step is
+    # the peak.
     "r2": Profile(_pp1(4, 56, 150, 0.0, 13, 26, 2.4 * GiB, fwd_end_growth=0.9 * GiB,
                        bwd_extra=0.7 * GiB), state_bytes=6.8 * GiB),
-    # R3: R1's model, PP2 x DP2, stage 0, 8 microbatches, 2 warm-up forwards; 3.4 GiB state.
-    # The phase table sums to 631 ms; the measured iteration (790-807 ms) also holds pipeline
-    # waits that the table does not place, so compare R3 stalls in ms rather than as ratios.
+    # preset r3: r1's model, PP2 x DP2, stage 0, 8 microbatches, 2 warm-up forwards; 3.4 GiB state.
+    # The phase table sums to 631 ms; a real iteration of that shape also holds pipeline waits
+    # that the table does not place, so compare its stalls in ms rather than as ratios. See
+    # [Note: preset r3] in docs/design.md.
     "r3": Profile(_pp_stage0(8, 2, 26, 50, 11.1 * GiB, 9, 14, 1.2 * GiB), state_bytes=3.4 * GiB),
 }
 
@@ -246,9 +248,10 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
 def median_marks(timelines):
     """One timeline from several iterations' marks with the same phases (as `profile_from_timeline`
     takes): each phase's duration and each boundary's allocated bytes are the median over the
-    iterations. A single marked iteration is one sample of a noisy host (R1 baselines: first
-    forward 52.9 or 60.1 ms in different calls); the median keeps one slow phase from moving the
-    floor. Iterations whose phase labels differ from the first one's are left out."""
+    iterations. A single marked iteration is one sample of a noisy host (the same phase can take
+    noticeably longer in one call than in another; see [Note: phase medians] in docs/design.md);
+    the median keeps one slow phase from moving the floor. Iterations whose phase labels differ
+    from the first one's are left out."""
     timelines = [list(t) for t in timelines if t]
     if not timelines:
         return []

@@ -72,11 +72,12 @@ def _wrap_distopt_load_state_dict(original):
     Loading a torch_dist checkpoint first loads a template (`sharded_state_dict(is_loading=True)`
     calls `load_state_dict(self.state_dict())`), which creates per-parameter `step` tensors, and
     the real load then leaves those at the template's value while the correct step only reaches
-    the param groups: measured on 2 x H200, every parameter resumed with step 0 instead of 10,
-    so Adam's bias correction restarts and the resumed run diverges from the uninterrupted one
-    (with or without offloading). The original code also gives all parameters one shared step
-    tensor, which torch Adam would increment once per parameter. After every load we set each
-    parameter's step, as its own tensor, from its param group.
+    the param groups: every parameter resumes with the template's step 0, so Adam's bias
+    correction restarts and the resumed run diverges from the uninterrupted one (with or without
+    offloading; see [Note: resumed step counters] in docs/design.md). The original code also
+    gives all parameters one shared step tensor, which torch Adam would increment once per
+    parameter. After every load we set each parameter's step, as its own tensor, from its param
+    group.
     """
 
     @functools.wraps(original)
