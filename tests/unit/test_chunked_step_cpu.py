@@ -524,3 +524,27 @@ def test_the_chunked_steps_own_frees_do_not_make_the_host_wait():
         assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
     assert sum(in_step_frees) > 0  # the step did free chunks it had copied out
     assert phases and Phase.STEPPING not in phases, phases  # the forward's frees waited, the step's did not
+
+
+@pytest.mark.parametrize("name", list(CHUNKED_FACTORIES))
+def test_a_save_right_after_a_chunked_step_reads_the_sent_out_chunks_from_the_host(name):
+    """What the GPU test does under copy-stream delays: the chunked step leaves chunks OFFLOADED,
+    and a save (host copies allowed) reads them on the host, every byte as without offloading."""
+    from test_offloader_cpu import make_coord
+
+    ref, opt = CHUNKED_FACTORIES[name](), CHUNKED_FACTORIES[name]()
+    level = [0]
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, memory_allocated=lambda: level[0],
+                       max_memory_allocated=lambda: level[0], free_block_sizes=lambda: [2**40])
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    for step in range(4):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        chunked_iteration(opt, coord, step, level=level)
+    off_gpu = coord.bytes_in(ChunkState.OFFLOADED)
+    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
+        on_host = sum(c.on_host for off in coord.offloaders for c in off.chunks)
+        saved = snapshot(opt)
+    assert off_gpu > 0 and on_host > 0, (off_gpu, on_host)
+    assert_bitwise_equal(snapshot(ref), saved)

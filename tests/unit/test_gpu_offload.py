@@ -390,6 +390,16 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16, delay_cycles):
             excess.append(torch.cuda.max_memory_allocated() - around_step.base - coord.step_budget_bytes - slot)
 
     losses, skipped = train(model, optimizer, coord, poison_steps=poison, around_step=around_step)
+    # A save right after the last step (as a torch_dist save reads it: host copies allowed) sees
+    # every byte the run without offloading has, with the chunks the chunked step sent out read
+    # from their host copies (under the injected delays a missing wait for the copy-out would show
+    # here). Before any other reader: one that is not a save takes the state back to the GPU.
+    off_gpu = coord.bytes_in(ChunkState.OFFLOADED)
+    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
+        on_host = sum(c.on_host for off in coord.offloaders for c in off.chunks)
+        saved = digest(model, optimizer)
+    assert off_gpu > 0 and on_host > 0, (off_gpu, on_host)
+    assert saved == ref_digest
     n_chunks = sum(len(off.chunks) for off in coord.offloaders)
     assert n_chunks >= 5, coord.offloaders[0].chunks  # otherwise a budget of 2 bounds nothing
     assert skipped == ref_skipped
@@ -399,15 +409,6 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16, delay_cycles):
     assert coord.step_budgets and all(b == 2 * slot for b in coord.step_budgets)
     if fp16:
         assert any(e.startswith("skipped:") for e in coord.events)
-    # A save now (as a torch_dist save reads it: host copies allowed) sees every byte the run
-    # without offloading has, with part of the state off the GPU and read from its host copy
-    # (under the injected delays a missing wait for the copy-out would show here).
-    off_gpu = coord.bytes_in(ChunkState.OFFLOADED)
-    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
-        on_host = sum(c.on_host for off in coord.offloaders for c in off.chunks)
-        saved = digest(model, optimizer)
-    assert off_gpu > 0 and on_host > 0, (off_gpu, on_host)
-    assert saved == ref_digest
     coord.close()
 
 
