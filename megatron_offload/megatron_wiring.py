@@ -304,7 +304,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         chunked_step=args.offload_chunked_step,
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
         release_cache=args.offload_release_cached_memory,
-        # Where the release happens: an experiment knob for the benchmark (coordinator.RELEASE_POINTS).
+        # Where the release happens: an experiment knob for the benchmark (allocator.RELEASE_POINTS).
         release_at=os.environ.get("MEGATRON_OFFLOAD_RELEASE_AT", "offloaded").split(","),
         smallest_in_group=_smallest_in_data_parallel_group() if auto else None,
         # Experiment knobs for the benchmark: reloads without the workspace rule (`@nows`); no

@@ -53,7 +53,7 @@ MODIFIERS = {
     "memhist": {"MEGATRON_OFFLOAD_MEMHIST": "6"},
     # The same over the whole run (every rank writes its own history).
     "memhistall": {"MEGATRON_OFFLOAD_MEMHIST": "100000"},
-    # Where --offload-release-cached-memory releases (coordinator.RELEASE_POINTS; default "offloaded").
+    # Where --offload-release-cached-memory releases (allocator.RELEASE_POINTS; default "offloaded").
     "relfwd": {"MEGATRON_OFFLOAD_RELEASE_AT": "offloaded,forward"},
     "relstep": {"MEGATRON_OFFLOAD_RELEASE_AT": "step_end"},
     "relwin": {"MEGATRON_OFFLOAD_RELEASE_AT": "offloaded,reload_window"},

@@ -339,7 +339,7 @@ def assert_same(a, b, path="state"):
 
 
 def test_allocator_stat_reader_matches_public_api():
-    from megatron_offload.coordinator import _allocator_stat
+    from megatron_offload.allocator import _allocator_stat
 
     x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
     device = torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,66 @@
+"""`--offload-state-fraction auto`'s calibration inside the coordinator: phase marks of the measured
+iteration and the choice of the fraction (auto_fraction.py holds the arithmetic). Methods of
+`OffloadCoordinator`; the attributes they use are set in its `__init__`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import auto_fraction
+
+
+class Calibration:
+    """Marks the calibration iteration's phases and re-packs the state at the chosen fraction."""
+
+    def _activation_bytes(self) -> int:
+        """Allocated bytes that are not chunk buffers (the planner's growth is relative)."""
+        return self._allocated() - self._resident_bytes()
+
+    def _mark(self, label: str) -> None:
+        if self._recorder is not None:
+            self._recorder.mark(label, self._activation_bytes())
+
+    def _choose_fraction(self) -> None:
+        """End of the calibration iteration: pick the fraction and re-pack the offloaders with it,
+        before their copy-out (due at the next forward) is enqueued."""
+        recorder, self._recorder = self._recorder, None
+        self.streams.stats.stall_sink = None
+        if self._skipped_last_step:
+            # A skipped step: the state was sent back out unchanged. Measure the next iteration.
+            self.auto_fraction_at = self._iterations_done + 1
+            return
+        timeline, stalls_ms = recorder.timeline()
+        d2h, h2d = auto_fraction.bandwidth_of(self.streams.stats)
+        first = self.auto_choice  # None in the first calibration iteration
+        total = self.state_bytes + sum(off.kept_bytes for off in self.offloaders)
+        # The second calibration keeps the first one's memory bound (`refine`): no room needed.
+        room = self._memory_room() if first is None else math.inf
+        choice = auto_fraction.choose(timeline, total, d2h, h2d, room, stalls_ms=stalls_ms)
+        if first is not None:
+            choice = auto_fraction.refine(first, choice)
+        if self._smallest_in_group is not None:
+            # Every rank of the group gets here in the same iteration: a step is skipped on all
+            # ranks or on none (Megatron reduces inf/nan and the grad norm across them).
+            choice = auto_fraction.agree(choice, self._smallest_in_group)
+        self.auto_choice = choice
+        self.auto_fraction_at = None
+        if first is None:
+            second = auto_fraction.needs_second_calibration(choice)
+            if self._smallest_in_group is not None:
+                # A collective in the next calibration: the group takes it if any rank needs it
+                # (the maximum, as minus the minimum of the negated flags).
+                second = -self._smallest_in_group(-float(second)) > 0
+            if second:
+                self.auto_fraction_at = self._iterations_done + 1
+        self._trace(f"auto_fraction:{choice.fraction:.2f}")
+        self._announce_fn(choice.describe())
+        if choice.fraction >= 1.0 or choice.fraction == self.state_fraction:
+            return
+        self.state_fraction = choice.fraction
+        for off in self.offloaders:
+            off.fraction = choice.fraction
+            if off.chunks:
+                off.make_resident(will_modify=True)  # (the chunked step sent some out already)
+                off.refresh()
+        self._announce()

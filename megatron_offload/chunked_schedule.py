@@ -1,0 +1,125 @@
+"""The chunked step's schedule (`--offload-chunked-step`): piece k of an offloader's step is its chunk
+k; which chunks are loaded ahead, stepped and sent out behind within the step's memory budget.
+Methods of `OffloadCoordinator` (chunked_step.py installs the piecewise step that calls them); the
+attributes they use are set in its `__init__`.
+"""
+
+from __future__ import annotations
+
+from . import chunked_step
+from .offloader import ChunkState, OptimizerStateOffloader
+
+# The chunked step keeps at least this many chunks' room for state during the step: one being
+# stepped, the next one loading, the previous one still copying out (its D2H must finish before its
+# memory can take the one after next).
+STEP_WINDOW_CHUNKS = 3
+
+
+class ChunkedStepSchedule:
+    """The step budget and the admission, stepping and early release of chunks during the step."""
+
+    def _step_budget(self) -> int:
+        """Chunk bytes that may be resident during the step.
+
+        The step should not set the iteration's peak: allocated memory there may reach what the
+        forwards reached with the state off (`_fwd_end_max`, the same ceiling as the backward's
+        reloads), less one chunk's worth of Adam temporaries (a foreach Adam over a piece
+        allocates a few piece-sized lists) and the margin. Never below STEP_WINDOW_CHUNKS chunks,
+        which the pipeline needs; when the activations leave more room, the whole state. See
+        [Note: chunked-step budget] in docs/design.md.
+        """
+        slot = self._slot()
+        if self.step_budget_bytes:
+            return max(self.step_budget_bytes, slot)
+        floor = STEP_WINDOW_CHUNKS * slot
+        if not self._fwd_end_max:
+            return floor
+        other = self._allocated() - self._resident_bytes()
+        return max(floor, self._fwd_end_max - other - slot - self.margin_bytes)
+
+    def _backward_reload_cap(self) -> float:
+        """Most chunk bytes the backward may bring back: unbounded for the unchunked step; for
+        the chunked step its budget (the explicit one, else the last step's, else the minimum:
+        the automatic budget reads memory the backward's activations still hold)."""
+        if not self.chunked_step:
+            return float("inf")
+        if self.step_budget_bytes:
+            return self._step_budget()
+        return self.step_budgets[-1] if self.step_budgets else STEP_WINDOW_CHUNKS * self._slot()
+
+    def _slot(self) -> int:
+        return max((c.gpu_nbytes for _, c in self._chunks(*ChunkState)), default=0)
+
+    def _resident_bytes(self) -> int:
+        """GPU bytes of the chunk buffers that are allocated (in any state but OFFLOADED)."""
+        return self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
+
+    def _admit(self, todo, budget: int, force_first: bool = False) -> None:
+        """Start the reload of the OFFLOADED chunks of `todo` ((offloader, chunk), in step order)
+        while the state resident stays within `budget`, freeing chunks the step has already
+        copied out to make room. `force_first`: the first one is needed now, budget or not."""
+        for i, (off, chunk) in enumerate(todo):
+            if chunk.state is not ChunkState.OFFLOADED:
+                continue
+            needed_now = force_first and i == 0
+            over = self._resident_bytes() + chunk.gpu_nbytes - budget
+            if over > 0:
+                self._free_stepped(over, keep_latest=not needed_now)
+                if self._resident_bytes() + chunk.gpu_nbytes > budget and not needed_now:
+                    return
+            self._own_allocations += off.start_copy_in([chunk])
+
+    def _free_stepped(self, nbytes: int, keep_latest: bool = True) -> None:
+        """Free chunks the step copied out, oldest copy first, until `nbytes` are freed or none
+        is left. `free` makes the compute stream wait for the chunk's D2H, so with `keep_latest`
+        the chunk stepped last is never taken: its D2H was enqueued just now, and waiting for it
+        would hold the next piece's Adam, hence the next D2H, behind it: the D2H engine would
+        idle during every piece and the H2D into its room would wait for both (each piece then
+        takes clearly longer than its copies alone; see [Note: freeing stepped chunks] in
+        docs/design.md). Left in flight, it is
+        the next piece's room to free, by when its copy has run during that piece's Adam. The
+        window is then: one chunk leaving, one stepped, one or more arriving (STEP_WINDOW_CHUNKS)."""
+        candidates = self._stepped_out[:-1] if keep_latest else list(self._stepped_out)
+        for off, chunk in candidates:
+            if nbytes <= 0:
+                break
+            self._stepped_out.remove((off, chunk))
+            if chunk.state is ChunkState.COPYING_OUT:
+                nbytes -= off.free([chunk])
+
+    def _begin_chunked_step(self, off: OptimizerStateOffloader):
+        """The pieces of `off`'s step: chunks already back (or coming) first, then the rest."""
+        self._stepping(off)
+        if not self._step_budget_now:
+            self._step_budget_now = self._step_budget()
+        self.step_budgets = (self.step_budgets + [self._step_budget_now])[-64:]
+        rank = {ChunkState.RESIDENT: 0, ChunkState.COPYING_OUT: 0, ChunkState.COPYING_IN: 1,
+                ChunkState.OFFLOADED: 2}
+        order = sorted(off.chunks, key=lambda c: rank[c.state])
+        self._step_order[id(off)] = order
+        # One piece per chunk (a parameter's state is never split across chunks), then one for
+        # the parameters with no chunk: state kept by the fraction, or not created yet.
+        return chunked_step.complete_pieces(off.dist_opt.optimizer, chunked_step.pieces_by_last_chunk(order))
+
+    def _before_piece(self, off: OptimizerStateOffloader, k: int) -> None:
+        order = self._step_order[id(off)]
+        if k >= len(order):
+            return
+        self._admit([(off, c) for c in order[k:]], self._step_budget_now, force_first=True)
+        off.make_resident(will_modify=True, chunks=[order[k]])
+        self._step_level = max(self._step_level, self._allocated())
+
+    def _after_piece(self, off: OptimizerStateOffloader, k: int) -> None:
+        order = self._step_order[id(off)]
+        if k >= len(order):
+            return
+        # Copy the stepped chunk out now only if a chunk still to be stepped (this optimizer's
+        # or a later one's in the chain) needs its room; otherwise it stays resident and leaves
+        # with the next forward like an unchunked step's state: a D2H enqueued now would also
+        # hold up the loss read that follows the step (optimizer_step_done).
+        later = order[k + 1:] + [c for o in self.offloaders if id(o) not in self._stepped for c in o.chunks]
+        if not any(c.state is ChunkState.OFFLOADED for c in later):
+            return
+        off.start_copy_out([order[k]])
+        self._stepped_out.append((off, order[k]))
+        self._admit([(off, c) for c in order[k + 1:]], self._step_budget_now)

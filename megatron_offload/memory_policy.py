@@ -1,0 +1,217 @@
+"""When state may stay on the GPU: the free budget of the first forward and the reloads of the last
+backward, as methods of `OffloadCoordinator` (this module's one job; the attributes it uses are set in
+`OffloadCoordinator.__init__`).
+
+The memory budget. Let S be the state bytes being offloaded, A0 the allocated bytes when the
+iteration's first forward starts (state still resident) and g(t) the activation growth since then
+(measured allocated bytes plus the state bytes freed so far). The goal is that allocated never
+exceeds A0 - S + P, P being the iteration's peak growth; with r(t) state bytes still resident
+that means r(t) + g(t) <= P. At each layer's forward pre-hook we free chunks until
+r <= P - g(next hook) - margin, g being the growth profile measured on earlier iterations.
+Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook.
+Reloads in the last backward(s) follow the same rule in reverse: a chunk comes back when
+allocated + its bytes stays below the highest allocated level seen at the end of a forward in
+this iteration, which the state was already off for, and, since *reserved* memory is what runs
+out, only once the backward has finished the layers that ran after its free and the caching
+allocator holds one free block that takes it (`_reload_up_to`, `_fitting`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Optional
+
+from .offloader import ChunkState
+from .phase import Phase
+
+# Free blocks smaller than this do not count as room for a layer's backward temporaries
+# (`_fitting`): those are activation-sized, and a reload must not leave only crumbs.
+# See [Note: backward workspace] in docs/design.md.
+WORKSPACE_MIN_BLOCK = 64 * 2**20
+
+
+class MemoryPolicy:
+    """The free budget (`_free_until`), the growth profile and the memory-aware reloads."""
+
+    def _free_until(self, budget: int, position: Optional[int] = None) -> int:
+        """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated.
+        `position`: the pacing module about to run (activations from it on may reuse the
+        memory); None when unknown (evaluation)."""
+        # Highest address first. Freed memory is only useful to a large activation in one piece:
+        # the top chunk's block joins the free space above it (with expandable segments the whole
+        # pool is one segment, and adjacent free blocks merge), so an activation that fits no
+        # hole goes there rather than above every chunk still resident, which would raise the
+        # high-water mark of the segment, i.e. *reserved* memory. Without expandable segments
+        # each chunk is a segment of its own and the order does not matter.
+        pending = sorted(self._chunks(ChunkState.COPYING_OUT), key=lambda pair: -pair[1].address)
+        remaining = sum(c.gpu_nbytes for _, c in pending)
+        chosen = []
+        for off, chunk in pending:
+            if remaining <= budget:
+                break
+            chosen.append((off, chunk))
+            remaining -= chunk.gpu_nbytes
+            self._freed_at[id(chunk)] = position
+        # With `host_waits_at_free` the host waits for the copy-out of what it frees, as the
+        # compute stream must. The idea: a forward that needs the memory before the D2H is done
+        # stalls the GPU here; a host that does not stall with it runs ahead by the whole stall
+        # (which can be a large part of an iteration where the state is large against the copy
+        # window), and memory freed meanwhile across streams (the weight gradients, which
+        # Megatron's DDP accumulates on a stream of its own) is only reusable once the GPU gets
+        # there: allocations made that far ahead map new memory. With the wait the reserved peak
+        # came out lower in some iterations and not in others, and every step took a little
+        # longer: not a clear gain, so off by default (MEGATRON_OFFLOAD_HOST_WAIT=1 turns it on).
+        # See [Note: host waits at free] in docs/design.md.
+        start = time.perf_counter()
+        freed = sum(off.free(chunks, host_waits=self.host_waits_at_free) for off, chunks in _by_offloader(chosen))
+        self.free_host_wait_ms += (time.perf_counter() - start) * 1e3
+        self._freed_this_iter += freed
+        if freed and not self._chunks(ChunkState.COPYING_OUT):
+            self.phase = Phase.OFFLOADED
+            self._trace("offloaded")
+            if position is not None:
+                self._release_cache_at("offloaded")
+        return freed
+
+    def _reload_up_to(self, ceiling: Optional[int], position: Optional[int] = None) -> int:
+        """Start H2D for OFFLOADED chunks while allocated + their bytes stays <= ceiling.
+
+        `position`: the backward has finished every pacing module after this one. A chunk freed
+        before module h is then only eligible once h > position, i.e. once the activations that
+        may have been placed in its memory (those of modules h, h+1, ...) are released. Reloading
+        earlier, by `allocated` alone, finds enough free bytes but not in one piece: the caching
+        allocator then creates a new segment and *reserved* memory grows by the chunk while
+        allocated looks fine. Latest-freed chunks come back first, mirroring the order in which
+        the backward releases memory. This rule alone did not lower reserved memory measurably
+        (the activations of the last microbatch are not placed like the first's); `_fitting`
+        below is what did. See [Note: reload order] in docs/design.md.
+        """
+        todo = self._chunks(ChunkState.OFFLOADED)
+        if position is not None:
+            todo = [(off, c) for off, c in todo if _after(self._freed_at.get(id(c)), position)]
+            todo.sort(key=lambda pair: -_rank(self._freed_at.get(id(pair[1]))))
+        if not todo:
+            return 0
+        allocated = self._allocated() if ceiling is not None else 0
+        # The chunked step holds at most its budget: what comes back now is held until stepped.
+        cap = self._backward_reload_cap()
+        resident = self._resident_bytes()
+        chosen = []
+        for off, chunk in todo:
+            if ceiling is not None and allocated + chunk.gpu_nbytes > ceiling:
+                break
+            if resident + chunk.gpu_nbytes > cap:
+                break
+            chosen.append((off, chunk))
+            allocated += chunk.gpu_nbytes
+            resident += chunk.gpu_nbytes
+        if ceiling is not None and chosen and self._free_block_sizes is not None:
+            chosen = self._fitting(chosen)
+        moved = sum(off.start_copy_in(chunks) for off, chunks in _by_offloader(chosen))
+        self._own_allocations += moved
+        if moved:
+            if self.phase is not Phase.RELOADING:
+                self._trace("reload_start")
+            self.phase = Phase.RELOADING
+        return moved
+
+    def _fitting(self, chosen):
+        """The leading chunks of `chosen` that fit the allocator's free blocks as they are now,
+        leaving the next layer's backward its workspace.
+
+        Enough free *bytes* (the ceiling above) is not enough: the caching allocator never
+        merges blocks across segments, so a chunk that fits no single free block gets a new
+        segment and reserved memory grows for good. The blocks are assigned best-fit, as the
+        allocator would. A chunk left out is retried at the next backward hook; the fallback in
+        `grads_finalizing` reloads whatever is left, when the backward has released everything.
+
+        The workspace: each layer's backward allocates temporaries and frees them before the
+        next layer's (a few activation-sized blocks per layer). A chunk placed in the holes the
+        last layer's temporaries left sends the next layer's to new memory: that is what set the
+        reserved peak of most iterations, in the last backward, by temporaries' requests made
+        while more than enough memory was mapped but free and no hole took them (see [Note:
+        backward workspace] in docs/design.md). So after the placement, the free blocks of at
+        least WORKSPACE_MIN_BLOCK (or a chunk slot) must still hold what one layer's backward
+        allocated (`backward_workspace`, measured in the iteration's first backward).
+        """
+        start = time.perf_counter()
+        blocks = sorted(self._free_block_sizes())
+        smallest_useful = min(WORKSPACE_MIN_BLOCK, self._slot())
+        self.fit_checks += 1
+        self.fit_check_ms += (time.perf_counter() - start) * 1e3
+        fitted = []
+        for off, chunk in chosen:
+            need = (chunk.gpu_nbytes + 511) // 512 * 512  # the allocator's rounding of large requests
+            i = bisect.bisect_left(blocks, need)
+            if i == len(blocks):
+                break
+            after = list(blocks)
+            rest = after.pop(i) - need
+            if rest > 0:
+                bisect.insort(after, rest)
+            if sum(b for b in after if b >= smallest_useful) < self.backward_workspace:
+                break
+            blocks = after
+            fitted.append((off, chunk))
+        self.reloads_deferred_for_fit += len(chosen) - len(fitted)
+        return fitted
+
+    def _sample_workspace(self) -> None:
+        """At a backward hook of the iteration's first backward: what the layer just finished
+        allocated (the allocator's cumulative counter, less the reloads' own chunks)."""
+        if self._workspace_mark is None or not self.keep_backward_workspace:
+            return
+        now = self._allocated_total() - self._own_allocations
+        self.backward_workspace = max(self.backward_workspace, now - self._workspace_mark)
+        self._workspace_mark = now
+
+    def _growth(self) -> int:
+        return self._allocated() - self._a0 + self._freed_this_iter
+
+    def _update_peak_growth(self) -> None:
+        """P, the iteration's peak activation growth (module doc).
+
+        Measured exactly once, in the first sampled iteration, from the allocator's high-water
+        mark: that iteration freed everything at its first hook, so at the peak all state bytes
+        counted in `_freed_this_iter` were already off. The high-water mark only says something
+        when this iteration raised it (it also remembers start-up transients). Afterwards, and
+        when the mark did not move, P only grows from sampled growth values, which are exact where
+        they were taken and never overestimate.
+        """
+        if self._a0 is None:
+            return
+        sampled = max([self.profile_end or 0, *self.profile])
+        peak = self._max_allocated()
+        if self.peak_growth is None and self._freed_at_first_hook and peak > self._m0:
+            self.peak_growth = peak - self._a0 + self._freed_this_iter
+        self.peak_growth = max(self.peak_growth or 0, sampled)
+
+    def _reload_ceiling(self) -> int:
+        """Allocated bytes the backward's reloads may reach: the highest level of a forward's end
+        in this iteration, which the state was already off for. With the chunked step, also the
+        level the last step reached with its budget resident (before its Adam temporaries): when
+        the step is the iteration's peak (full recompute), waiting for the forwards' level
+        left the whole budget to load between the backward and the step, exposed as a wait
+        before it. See [Note: chunked-step budget] in docs/design.md."""
+        if not self.chunked_step:
+            return self._fwd_end_max
+        return max(self._fwd_end_max, self._last_step_level)
+
+
+def _by_offloader(pairs):
+    """(offloader, chunk) pairs -> (offloader, [chunks]) in first-seen order: one transition call
+    per offloader, so each batch waits once and records one event."""
+    grouped = {}
+    for off, chunk in pairs:
+        grouped.setdefault(id(off), (off, []))[1].append(chunk)
+    return list(grouped.values())
+
+
+def _after(freed_at: Optional[int], position: int) -> bool:
+    """Chunk freed before module `freed_at` is eligible once the backward finished it."""
+    return freed_at is None or freed_at > position
+
+
+def _rank(freed_at: Optional[int]) -> float:
+    return float("inf") if freed_at is None else freed_at

@@ -1,0 +1,149 @@
+"""Readers and writers of the optimizer state outside the step (checkpoint save and load, RL phase
+switches, parameter reload) and the start-up offload. Methods of `OffloadCoordinator`; the
+attributes they use are set in its `__init__`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from .offloader import ChunkState, OptimizerStateOffloader
+from .phase import Phase
+
+logger = logging.getLogger(__name__)
+
+
+class StateAccess:
+    """Accesses run on the host copies where the caller accepts CPU tensors, else take the state
+    back; nested accesses leave the state to the outermost."""
+
+    def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool,
+                            host_copies_ok: bool = False) -> None:
+        """A reader or writer of `off`'s state outside the step is about to run. Accesses that
+        accept CPU tensors (`host_copies_ok`), and any access nested in one, run on the host
+        copies (`expose_host_copies`), so that no moment puts the state back on the GPU at once:
+        a reader (a checkpoint save) sees what is off the GPU on the host; a writer (a torch_dist
+        load) first sends everything out (`send_out_now`), then writes into the pinned buffer,
+        where the optimizer writes in place (`OptimizerStateOffloader.host_writes_supported`).
+        Other accesses get the state back.
+
+        Exception-safe: the access is recorded only once its preparation succeeded, so a failure
+        here (e.g. an out-of-memory reload) leaves no access open; `state_access` pairs it with
+        `after_state_access` whatever the access itself raises."""
+        on_host = host_copies_ok or (bool(self._accesses) and self._accesses[-1] != "gpu")
+        if on_host and not will_modify:
+            kind = "host_read"
+            off.expose_host_copies()
+        elif on_host and self.host_loads and off.host_writes_supported():
+            kind = "host_write"
+            if off in self._copy_out_due:
+                self._copy_out_due.remove(off)  # (stepped, still resident: sent out just below)
+            off.send_out_now()
+            off.expose_host_copies()
+            self._trace(f"host_write:{off.name}")
+        else:
+            kind = "gpu"
+            self._take_back(off, will_modify)
+        self._suspended += 1
+        self._accesses.append(kind)
+
+    @contextlib.contextmanager
+    def state_access(self, offloaders, will_modify: bool, host_copies_ok: bool = False):
+        """`before_state_access` / `after_state_access` around a block, for each of `offloaders`.
+        On any exception (in the preparation or the block) every access entered is closed again
+        and the original exception propagates; a failure while closing is logged, never raised
+        in its place."""
+        entered = []
+        try:
+            for off in offloaders:
+                self.before_state_access(off, will_modify=will_modify, host_copies_ok=host_copies_ok)
+                entered.append(off)
+            yield
+        except BaseException:
+            for off in reversed(entered):
+                try:
+                    self.after_state_access(off, modified=will_modify)
+                except Exception:  # noqa: BLE001 - the access's own error is the one to report
+                    logger.exception("megatron-offload: closing %s's state access after an error failed too", off.name)
+            raise
+        for off in reversed(entered):
+            self.after_state_access(off, modified=will_modify)
+
+    def _hide_host_copies(self) -> None:
+        """A save that read state on the host (`before_state_access`) has finished writing by the
+        next forward (Megatron's save is synchronous; async save is refused), and so has a load
+        that wrote there: the tensors still off the GPU point back at their GPU buffers before
+        anything treats them as GPU tensors."""
+        if self._accesses:
+            return  # still inside a reader or writer
+        for off in self.offloaders:
+            if off.hide_host_copies():
+                self._trace(f"host_copies_hidden:{off.name}")
+
+    def _take_back(self, off: OptimizerStateOffloader, will_modify: bool) -> None:
+        if off in self._copy_out_due:
+            # Still resident and stepped; whoever takes it back sends it out again.
+            self._copy_out_due.remove(off)
+        off.make_resident(will_modify=will_modify)
+
+    def offload_existing_state(self, materialize: bool = True) -> None:
+        """Send out the state before the first forward: the fp32 masters (created with the
+        optimizer), the moments when resuming, and with `materialize` the moments that torch
+        Adam/AdamW would otherwise create lazily in the first step (identical zeros, step 0).
+        Chunk by chunk: each is packed, copied out and freed before the next one is packed, so
+        at most one chunk of packed state exists at a time (and the zeros of materialized
+        moments are only ever created inside their chunk)."""
+        try:
+            for off in self.offloaders:
+                self._take_back(off, will_modify=True)
+                if materialize:
+                    off.materialize_state()
+                off.refresh(stream_out=True)
+                self._announce()
+        except BaseException:
+            # E.g. pinning refused (host memory): detach completely, every tensor back on the GPU,
+            # rather than leave hooks that would act on a half-packed state.
+            self.close()
+            raise
+        if self.bytes_in(ChunkState.OFFLOADED):
+            self.phase = Phase.OFFLOADED
+            self._trace("offloaded")
+
+    def release_startup_state(self) -> int:
+        """Free whatever start-up left on the GPU and hand the cached memory back to the device,
+        once, before the first forward: start-up created and freed the state chunk by chunk,
+        and the allocator would keep those blocks (and the old per-tensor storages) in *reserved*
+        memory for the whole run (every iteration's reserved memory then stays well above what
+        it allocates; see [Note: start-up peak] in docs/design.md). Returns the bytes freed."""
+        freed = self._free_until(0)
+        self._hand_back_cached_memory()
+        self._trace("startup_released")
+        return freed
+
+    def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
+        self._suspended -= 1
+        kind = self._accesses.pop()
+        if kind == "host_write":
+            # What it wrote is in the host copies, which stay exposed until the next forward
+            # (dist-checkpointing fills a load template after `sharded_state_dict` returned).
+            off.accept_host_writes()
+            self.phase = Phase.FREEING if self._chunks(ChunkState.COPYING_OUT) else Phase.OFFLOADED
+            return
+        if self._accesses:
+            # Nested in another access (e.g. TE's `state_dict` inside a load's
+            # `sharded_state_dict`): the state stays as it is until the outermost one closes, which
+            # then re-discovers it if anything inside wrote.
+            self._nested_writes = self._nested_writes or modified
+            return
+        modified, self._nested_writes = modified or self._nested_writes, False
+        # A host reader leaves what was exposed on the host until the next forward (the save may
+        # still read it: `_hide_host_copies`); what was resident is sent out as after any reader.
+        if modified:
+            # Tensors may have been created (dummy step) or replaced (load): find them again
+            # and send the loaded values out.
+            off.refresh()
+            self._announce()
+        off.start_copy_out()
+        if self._chunks(ChunkState.COPYING_OUT):
+            self.phase = Phase.FREEING
