@@ -15,7 +15,7 @@ from megatron_offload import (
     UnsupportedOptimizerStateError,
     find_state_tensors,
 )
-from megatron_offload.offloader import TENSOR_ALIGNMENT
+from megatron_offload.chunks import TENSOR_ALIGNMENT
 
 from fakes import (
     FakeDistOpt,
@@ -258,7 +258,7 @@ def test_every_chunk_buffer_has_one_slot_size_and_the_host_copy_is_exact():
 def test_copy_out_and_free_go_from_the_highest_address_down(layout, monkeypatch):
     """The top chunk's freed block joins the free space above it; the copy-out runs in the same
     order so that the first free waits only for the first copy."""
-    from megatron_offload.offloader import Chunk
+    from megatron_offload.chunks import Chunk
 
     opt = FakeDistOpt()
     coord = make_coord()
@@ -886,7 +886,7 @@ def test_reloads_leave_the_next_layers_backward_its_workspace(room, microbatches
 
 
 def test_large_slots_tile_the_activations_that_fill_their_holes():
-    from megatron_offload.offloader import slot_bytes
+    from megatron_offload.chunks import slot_bytes
 
     MiB = 2**20
     # R1: 15 chunks of ~487 MiB packed; their 498 MiB holes could not take the 500 MiB logits.
@@ -1316,7 +1316,7 @@ def test_every_chunk_move_is_checked_against_the_transition_table():
     """A chunk changes state only through Chunk.move_to: freeing a chunk whose copy-out was never
     started (its host copy would be stale) or reloading one twice is refused before anything
     happens to its storage."""
-    from megatron_offload.offloader import TRANSITIONS, IllegalTransition
+    from megatron_offload.chunks import TRANSITIONS, IllegalTransition
 
     opt = FakeDistOpt()
     coord = make_coord()
