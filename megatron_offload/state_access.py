@@ -31,7 +31,11 @@ class StateAccess:
         Exception-safe: the access is recorded only once its preparation succeeded, so a failure
         here (e.g. an out-of-memory reload) leaves no access open; `state_access` pairs it with
         `after_state_access` whatever the access itself raises."""
-        on_host = host_copies_ok or (bool(self._accesses) and self._accesses[-1] != "gpu")
+        # Nesting is per offloader: an access inside another one to the same state follows it
+        # (on the host inside a host access, on the GPU inside a GPU one); siblings (each
+        # DistributedOptimizer of a chain) are independent.
+        enclosing = [kind for o, kind in self._accesses if o is off]
+        on_host = (enclosing[-1] != "gpu") if enclosing else host_copies_ok
         if on_host and not will_modify:
             kind = "host_read"
             off.expose_host_copies()
@@ -46,7 +50,7 @@ class StateAccess:
             kind = "gpu"
             self._take_back(off, will_modify)
         self._suspended += 1
-        self._accesses.append(kind)
+        self._accesses.append((off, kind))
 
     @contextlib.contextmanager
     def state_access(self, offloaders, will_modify: bool, host_copies_ok: bool = False):
@@ -61,14 +65,25 @@ class StateAccess:
                 entered.append(off)
             yield
         except BaseException:
-            for off in reversed(entered):
-                try:
-                    self.after_state_access(off, modified=will_modify)
-                except Exception:  # noqa: BLE001 - the access's own error is the one to report
-                    logger.exception("megatron-offload: closing %s's state access after an error failed too", off.name)
+            self._close_accesses(entered, will_modify, reraise=False)
             raise
+        self._close_accesses(entered, will_modify, reraise=True)
+
+    def _close_accesses(self, entered, modified: bool, reraise: bool) -> None:
+        """Close every access in `entered` (last first), even when one of the closings fails;
+        the first such failure is re-raised afterwards (`reraise`) or only logged (an error of
+        the access itself is already propagating)."""
+        first = None
         for off in reversed(entered):
-            self.after_state_access(off, modified=will_modify)
+            try:
+                self.after_state_access(off, modified=modified)
+            except Exception as err:  # noqa: BLE001
+                if reraise and first is None:
+                    first = err
+                else:
+                    logger.exception("megatron-offload: closing %s's state access failed", off.name)
+        if first is not None:
+            raise first
 
     def _hide_host_copies(self) -> None:
         """A save that read state on the host (`before_state_access`) has finished writing by the
@@ -123,20 +138,24 @@ class StateAccess:
 
     def after_state_access(self, off: OptimizerStateOffloader, modified: bool) -> None:
         self._suspended -= 1
-        kind = self._accesses.pop()
+        opened, kind = self._accesses.pop()
+        assert opened is off, (opened.name, off.name)  # accesses close in the order they nest
         if kind == "host_write":
             # What it wrote is in the host copies, which stay exposed until the next forward
             # (dist-checkpointing fills a load template after `sharded_state_dict` returned).
             off.accept_host_writes()
             self.phase = Phase.FREEING if self._chunks(ChunkState.COPYING_OUT) else Phase.OFFLOADED
             return
-        if self._accesses:
-            # Nested in another access (e.g. TE's `state_dict` inside a load's
-            # `sharded_state_dict`): the state stays as it is until the outermost one closes, which
-            # then re-discovers it if anything inside wrote.
-            self._nested_writes = self._nested_writes or modified
+        if any(o is off for o, _ in self._accesses):
+            # Nested in another access to the same state (e.g. TE's `state_dict` inside a load's
+            # `sharded_state_dict`): the state stays as it is until the outermost one closes,
+            # which then re-discovers it if anything inside wrote.
+            if modified:
+                self._nested_writes.add(id(off))
             return
-        modified, self._nested_writes = modified or self._nested_writes, False
+        if id(off) in self._nested_writes:
+            self._nested_writes.discard(id(off))
+            modified = True
         # A host reader leaves what was exposed on the host until the next forward (the save may
         # still read it: `_hide_host_copies`); what was resident is sent out as after any reader.
         if modified:

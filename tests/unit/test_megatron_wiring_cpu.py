@@ -237,6 +237,7 @@ def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatc
         chunked_step = True
         offloaders = ["a", "b"]
         state_access = megatron_offload.OffloadCoordinator.state_access
+        _close_accesses = megatron_offload.OffloadCoordinator._close_accesses
 
         def before_state_access(self, off, will_modify, host_copies_ok=False):
             seen.append(("before", off, will_modify))

@@ -1341,3 +1341,35 @@ def test_every_chunk_move_is_checked_against_the_transition_table():
                 seen.add(nxt)
                 todo.append(nxt)
         assert seen == set(ChunkState), state
+
+
+def test_sibling_accesses_each_send_their_state_out_again():
+    """`state_access` over two offloaders (a dense and an expert optimizer, as --log-params-norm
+    with the chunked step does) closes them one after the other: neither is nested in the other,
+    so both are sent out again (a first version took the second for nested and left it resident
+    through every later forward)."""
+    opts = [FakeDistOpt(), FakeDistOpt()]
+    coord = make_coord()
+    offs = [coord.add_optimizer(o, name=f"o{i}") for i, o in enumerate(opts)]
+    coord.offload_existing_state()
+    for step in range(2):
+        for mb in range(2):
+            coord.forward_begin(True)
+            for _ in range(LAYERS):
+                coord._on_layer_forward(None, ())
+            coord.forward_end()
+            coord.backward_begin()
+        coord.grads_finalizing()
+        for o in opts:
+            make_grads(o.all_params(), step)
+            o.step()
+        coord.optimizer_step_done()
+    with coord.state_access(offs, will_modify=False):
+        pass
+    assert coord._accesses == [] and coord._suspended == 0
+    coord.forward_begin(True)
+    for _ in range(LAYERS):
+        coord._on_layer_forward(None, ())
+    coord.forward_end()
+    for off in offs:
+        assert all(c.state is ChunkState.OFFLOADED for c in off.chunks), (off.name, off.chunks)
