@@ -26,6 +26,7 @@ The coordinator imports nothing from `megatron.training`; any training loop can 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable, Iterable, List, Optional
 
@@ -45,6 +46,19 @@ from .streams import CopyStreams
 logger = logging.getLogger(__name__)
 
 DEFAULT_MARGIN_BYTES = 64 * 2**20
+
+
+def _inert_once_closed(method):
+    """A lifecycle method that does nothing after `close()`: a loop that caught an error of ours
+    (or detached on purpose) may keep calling the hooks, which must then not move state."""
+
+    @functools.wraps(method)
+    def wrapper(self, *a, **k):
+        if self.closed:
+            return None
+        return method(self, *a, **k)
+
+    return wrapper
 
 
 class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess, Ledger):
@@ -143,6 +157,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         self._last_step_level = 0
         self._skipped_last_step = False
         self.offloaders: List[OptimizerStateOffloader] = []
+        self.closed = False  # set by close(): the lifecycle methods are inert from then on
         self.phase = Phase.NO_STATE
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
         self._hook_handles = []
@@ -235,6 +250,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
     # ------------------------------------------------------------------------------------------
     # Training-loop lifecycle
     # ------------------------------------------------------------------------------------------
+    @_inert_once_closed
     def start_pending_copy_out(self) -> None:
         """Enqueue the copy-out of the last step (normally done by the next forward)."""
         for off in self._copy_out_due:
@@ -244,6 +260,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         if self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.FREEING
 
+    @_inert_once_closed
     def forward_begin(self, training: bool = True) -> None:
         first = training and self._train_forwards == 0
         if first and self.auto_fraction_at == self._iterations_done + 1 and self.state_bytes:
@@ -314,6 +331,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
             position = None if _in_backward() else self._position - 1
             tensor.register_hook(lambda grad, p=position: self._on_layer_backward(grad, p))
 
+    @_inert_once_closed
     def forward_end(self) -> None:
         if self._train_forwards == 0:
             return
@@ -327,6 +345,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
             self._fwd_end_max = max(self._fwd_end_max, self._allocated())
         self._mark("fwd_end")
 
+    @_inert_once_closed
     def backward_begin(self) -> None:
         self._mark("bwd_begin")
         if self._train_forwards == 0:
@@ -347,6 +366,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
             self._release_cache_at("reload_window")
             self._reload_up_to(self._reload_ceiling(), position=self._position)
 
+    @_inert_once_closed
     def backward_end(self) -> None:
         """The backward of one microbatch is enqueued (phase mark for the automatic fraction)."""
         self._mark("bwd_end")
@@ -357,6 +377,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
             self._reload_up_to(self._reload_ceiling(), position=position)
         return None
 
+    @_inert_once_closed
     def grads_finalizing(self) -> None:
         """All backwards are enqueued: reload whatever is still off (fallback trigger)."""
         self._trace("grads_finalizing")
@@ -369,6 +390,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
             self._reload_up_to(None)
         self._update_peak_growth()
 
+    @_inert_once_closed
     def optimizer_step_begin(self) -> None:
         """The training loop is about to call the (chained) optimizer's step."""
         self._mark("step_begin")
@@ -397,6 +419,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
             self._announce()
         self._trace(f"step_end:{off.name}")
 
+    @_inert_once_closed
     def optimizer_step_done(self) -> None:
         """After the whole (chained) optimizer step returned, whether it updated or skipped.
 
@@ -453,6 +476,10 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         self._trace("step_done")
 
     def close(self) -> None:
+        """Detach: hooks removed, every state tensor back on the GPU, pinned memory released; the
+        lifecycle methods do nothing from then on (a loop may go on calling them)."""
+        self.closed = True
+        self._copy_out_due.clear()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()

@@ -17,9 +17,13 @@ touch the state; with DONTFORK the range simply does not exist in them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import logging
 import mmap
+import os
+import tempfile
 from typing import Callable, Optional
 
 import torch
@@ -57,18 +61,37 @@ def clear_cuda_error() -> Optional[int]:
     that after every kernel launch: left there, the next kernel raises `invalid argument` far from
     the cause. torch binds no cudaGetLastError, so call it in the libcudart this process loaded
     (dlopen of an already loaded path returns the same library, hence the same error state).
-    Returns the error cleared (0: none), or None where no libcudart is loaded."""
+    Every libcudart loaded is cleared (another package may have brought a second one). Returns the
+    first non-zero error cleared (0: none), or None where no libcudart is loaded (a statically
+    linked runtime: the stale error then surfaces at the next kernel launch)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart.so" in line and "/" in line}
     except OSError:
         return None
+    found = None
     for path in sorted(paths):
         try:
-            return int(ctypes.CDLL(path).cudaGetLastError())
+            err = int(ctypes.CDLL(path).cudaGetLastError())
         except (OSError, AttributeError):
             continue
-    return None
+        found = err if not found else found
+    if found is None:
+        logger.warning("megatron-offload: no libcudart found to clear CUDA's last error after a failed registration")
+    return found
+
+
+@contextlib.contextmanager
+def _node_pin_lock():
+    """An exclusive lock shared by every process of this machine (released by the kernel if the
+    holder dies)."""
+    path = os.path.join(tempfile.gettempdir(), "megatron_offload_pin.lock")
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class PinnedHostBuffer:
@@ -92,16 +115,25 @@ class PinnedHostBuffer:
         self._registered_ptr = None
         self._map = None
         pin = pin and self.nbytes > 0 and (register is not None or torch.cuda.is_available())
-        if pin:
-            check(self.nbytes)
         if self.nbytes == 0:
             self._storage = torch.empty(0, dtype=torch.uint8)
             return
-        # Anonymous and private: page-aligned, zero-filled, backed only where touched.
+        if not pin:
+            self._map_anonymous()
+            return
+        # Why: the ranks of a node pin at the same moment; one at a time, each check sees what the
+        # others have already taken instead of all passing against the same MemAvailable.
+        with _node_pin_lock():
+            check(self.nbytes)
+            self._pin(register)
+
+    def _map_anonymous(self) -> None:
+        """Anonymous and private memory: page-aligned, zero-filled, backed only where touched."""
         self._map = mmap.mmap(-1, align_up(self.nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE)
         self._storage = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
-        if not pin:
-            return
+
+    def _pin(self, register: Optional[Callable[[int, int], int]]) -> None:
+        self._map_anonymous()
         # Why: see [Note: pinned pages and fork]; must precede the pinning.
         self._map.madvise(mmap.MADV_DONTFORK)
         self.dontfork = True
@@ -119,10 +151,6 @@ class PinnedHostBuffer:
         self._registered_ptr = ptr
         self.pinning = "cudaHostRegister"
 
-    @property
-    def is_pinned(self) -> bool:
-        return self.pinning != "pageable"
-
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A host tensor of `like`'s dtype and shape backed by bytes [offset, offset + nbytes)."""
         assert offset % ALIGNMENT == 0, offset
@@ -139,13 +167,11 @@ class PinnedHostBuffer:
         self.pinning = "pageable"
 
     def _release(self) -> None:
+        """Drop our references: the tensor made by `torch.frombuffer` keeps the mapping alive, and
+        the mapping is unmapped when the last tensor or view over it goes (closing it explicitly
+        would unmap it under views still in use)."""
         self._storage = torch.empty(0, dtype=torch.uint8)
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view still exports it: unmapped when that goes
-                pass
-            self._map = None
+        self._map = None
 
     def __del__(self):  # best effort; interpreter shutdown may already have torn CUDA down
         try:

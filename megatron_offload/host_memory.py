@@ -103,15 +103,36 @@ def read(proc_root: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> HostM
     available = _meminfo_kib(os.path.join(proc_root, "meminfo"), "MemAvailable")
     rss = _meminfo_kib(os.path.join(proc_root, "self", "status"), "VmRSS")
     limit = used = None
-    directory = _cgroup_dir(proc_root, cgroup_root)
-    if directory is not None:
-        for limit_name, used_name in (("memory.max", "memory.current"),
-                                      ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+    # This process's cgroup as /proc names it, else the root of the mounted tree (a container that
+    # mounts its own cgroup at /sys/fs/cgroup while /proc shows the host's path).
+    for directory in filter(None, (_cgroup_dir(proc_root, cgroup_root), cgroup_root)):
+        for limit_name, used_name, cache_key in (("memory.max", "memory.current", "inactive_file"),
+                                                 ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                  "total_inactive_file")):
             limit = _read_int(os.path.join(directory, limit_name))
             if limit is not None:
                 used = _read_int(os.path.join(directory, used_name))
+                # Inactive page cache counts as used but is reclaimed before the OOM killer acts.
+                cache = _stat_value(os.path.join(directory, "memory.stat"), cache_key)
+                if used is not None and cache:
+                    used = max(0, used - cache)
                 break
+        if limit is not None:
+            break
     return HostMemory(available=available, cgroup_limit=limit, cgroup_used=used, rss=rss)
+
+
+def _stat_value(path: str, key: str) -> Optional[int]:
+    """One `key value` line of a cgroup memory.stat file."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key and value.strip().isdigit():
+                    return int(value)
+    except OSError:
+        pass
+    return None
 
 
 def check_can_pin(nbytes: int, memory: Optional[HostMemory] = None, what: str = "optimizer state") -> None:

@@ -336,9 +336,15 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     def step_and_notify(*a, **k):
         coord.optimizer_step_begin()
         try:
-            return step(*a, **k)
-        finally:
-            coord.optimizer_step_done()
+            result = step(*a, **k)
+        except BaseException:
+            try:  # the step's own error is the one to report
+                coord.optimizer_step_done()
+            except Exception:  # noqa: BLE001
+                logger.exception("megatron-offload: after a failed optimizer step")
+            raise
+        coord.optimizer_step_done()
+        return result
 
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)

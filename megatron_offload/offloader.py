@@ -164,11 +164,15 @@ class OptimizerStateOffloader(StateMaterialization):
         for chunk in chunks:
             chunk.gpu_nbytes = slot
         # Pinned before anything is re-pointed: a refusal (host memory, `ulimit -l`) leaves every
-        # chunk RESIDENT as it was. Their old host copies are not needed (the GPU holds the data),
-        # so the old buffer goes first, and the node never holds both.
+        # chunk's GPU data as it was. Their old host copies are not needed (the GPU holds the
+        # data), so the old buffer goes first, and the node never holds both.
         host_bytes = sum(c.nbytes for c in chunks)
         if self.host is None or self.host.nbytes != host_bytes:
             if self.host is not None:
+                if self.device.type == "cuda":
+                    # Why: a copy-out (the chunked step's) or reload may still be using the old
+                    # buffer; unpinning and unmapping it under a DMA would corrupt or fault.
+                    torch.cuda.synchronize(self.device)
                 self.host.close()
                 self.host = None
                 for old in self.chunks:
@@ -176,10 +180,13 @@ class OptimizerStateOffloader(StateMaterialization):
             try:
                 self.host = PinnedHostBuffer(host_bytes, pin=self.device.type == "cuda")
             except Exception:
-                # Leave no placeholder behind: the optimizer can still step without us.
-                for st in managed:
-                    if st.owner is not None:
-                        self._place(st, self._initial_value(st))
+                # Leave no placeholder behind: drop the state of every parameter that has one, so
+                # that the optimizer creates it lazily in its first step, with the same values
+                # (filling them here would allocate the whole state inside an error handler).
+                inner = self.dist_opt.optimizer
+                for p, state in list(inner.state.items()):
+                    if any(isinstance(v, torch.Tensor) and v.is_meta for v in state.values()):
+                        del inner.state[p]
                 raise
         # The previous chunk buffers are released once every tensor in them has been re-pointed
         # into a new chunk (below), except one whose storage a kept tensor still is.

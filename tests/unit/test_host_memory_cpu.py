@@ -11,7 +11,7 @@ import torch
 
 from megatron_offload import host_memory
 from megatron_offload.host_buffer import PinnedHostBuffer
-from megatron_offload.host_memory import GIB, HostMemory, HostMemoryError
+from megatron_offload.host_memory import GIB, HostMemoryError
 
 from fakes import FakeDistOpt
 
@@ -116,3 +116,44 @@ def test_a_refused_pin_leaves_the_offloader_unattached(monkeypatch):
             make_grads(o.all_params(), step)
             o.step()
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+def test_reclaimable_page_cache_is_not_counted_against_the_cgroup(tmp_path):
+    proc, cg = fake_machine(tmp_path, available_gib=100, cgroup=(40, 30))
+    (tmp_path / "cgroup" / "job.slice" / "memory.stat").write_text(
+        f"anon 123\nfile 999\ninactive_file {int(8 * GIB)}\nactive_file 5\n")
+    assert host_memory.read(proc, cg).headroom == 18 * GIB  # 40 - (30 - 8)
+
+
+def test_a_container_cgroup_mounted_at_the_root_is_found(tmp_path):
+    """/proc shows the host's cgroup path while the container mounts its own tree at the root."""
+    proc, cg = fake_machine(tmp_path, available_gib=100)
+    (tmp_path / "proc" / "self" / "cgroup").write_text("0::/kubepods/pod123/abc\n")
+    (tmp_path / "cgroup" / "memory.max").write_text(str(50 * GIB) + "\n")
+    (tmp_path / "cgroup" / "memory.current").write_text(str(45 * GIB) + "\n")
+    assert host_memory.read(proc, cg).headroom == 5 * GIB
+
+
+def test_pins_of_one_node_are_checked_one_at_a_time():
+    """The check and the pinning run under one node-wide lock: a rank that pins second sees what
+    the first took (all ranks checking against the same MemAvailable passed together before)."""
+    import fcntl
+    import tempfile
+
+    from megatron_offload import host_buffer
+
+    seen = []
+
+    def check(nbytes):
+        path = os.path.join(tempfile.gettempdir(), "megatron_offload_pin.lock")
+        with open(path, "a+") as f:  # held by the buffer being built: a second taker must fail
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen.append("free")
+                fcntl.flock(f, fcntl.LOCK_UN)
+            except BlockingIOError:
+                seen.append("held")
+
+    buf = host_buffer.PinnedHostBuffer(4096, check=check, register=lambda ptr, n: 0)
+    buf._registered_ptr = None
+    assert seen == ["held"]

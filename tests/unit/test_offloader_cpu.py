@@ -1229,7 +1229,11 @@ def test_steps_whose_forwards_bypass_the_hooks_fail_loudly():
         else:
             with pytest.raises(OffloadNotRunningError, match="overlap-moe-expert-parallel-comm"):
                 coord.optimizer_step_done()
-    assert coord._hook_handles == []  # detached: the optimizer goes on without us
+    assert coord._hook_handles == [] and coord.closed  # detached: the optimizer goes on without us
+    # A loop that caught the error and goes on calling the hooks moves nothing any more.
+    before = [c.state for c in off.chunks] if (off := coord.offloaders[0]).chunks else []
+    one_iteration(opt, coord, 2)
+    assert [c.state for c in off.chunks] == before and not coord._copy_out_due
 
 
 def test_add_optimizer_refuses_what_it_cannot_offload():
