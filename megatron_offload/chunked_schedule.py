@@ -7,7 +7,8 @@ attributes they use are set in its `__init__`.
 from __future__ import annotations
 
 from . import chunked_step
-from .offloader import ChunkState, OptimizerStateOffloader
+from .chunks import ChunkState
+from .offloader import OptimizerStateOffloader
 
 # The chunked step keeps at least this many chunks' room for state during the step: one being
 # stepped, the next one loading, the previous one still copying out (its D2H must finish before its

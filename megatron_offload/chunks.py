@@ -45,14 +45,6 @@ def slot_bytes(largest_chunk: int) -> int:
     return slot
 
 
-
-
-
-
-
-
-
-
 def _units(tensors: List[StateTensor], by_parameter: bool) -> List[List[StateTensor]]:
     """The packing units: one per tensor, or with `by_parameter` the state tensors of one
     parameter together (discovery lists them per parameter). The chunked step (chunked_step.py)

@@ -498,14 +498,9 @@ class _Undo:
         self.remove = undo
 
 
-
-
-
 def _in_backward() -> bool:
     """True while the autograd engine runs a backward (e.g. recomputing a checkpointed layer)."""
     return torch._C._current_autograd_node() is not None
-
-
 
 
 def pacing_modules(model: torch.nn.Module) -> List[torch.nn.Module]:

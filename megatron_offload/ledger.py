@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import host_memory
-from .offloader import ChunkState
+from .chunks import ChunkState
 from .streams import TransferTotals
 
 

@@ -22,7 +22,7 @@ import bisect
 import time
 from typing import Optional
 
-from .offloader import ChunkState
+from .chunks import ChunkState
 from .phase import Phase
 
 # Free blocks smaller than this do not count as room for a layer's backward temporaries

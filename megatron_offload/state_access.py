@@ -8,7 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from .offloader import ChunkState, OptimizerStateOffloader
+from .chunks import ChunkState
+from .offloader import OptimizerStateOffloader
 from .phase import Phase
 
 logger = logging.getLogger(__name__)

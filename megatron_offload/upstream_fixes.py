@@ -23,7 +23,7 @@ def _wrap_compile_helpers(original):
     @functools.wraps(original)
     def wrapper(*a, **k):
         try:
-            from megatron.core.datasets import helpers_cpp  # noqa: F401
+            from megatron.core.datasets import helpers_cpp  # noqa: F401  (the prebuilt helper: imports or not)
         except ImportError:
             return original(*a, **k)
         # The pip wheel ships the compiled helper but no Makefile: `make` would fail and exit.
@@ -113,4 +113,6 @@ def install_wheel_fix_only() -> None:
     """Only the Makefile fix (isolating runs: a script with none of the plugin's other code)."""
     import megatron.core.datasets.utils as dataset_utils
 
-    dataset_utils.compile_helpers = _wrap_compile_helpers(dataset_utils.compile_helpers)
+    if not getattr(dataset_utils.compile_helpers, "_megatron_offload", False):
+        dataset_utils.compile_helpers = _wrap_compile_helpers(dataset_utils.compile_helpers)
+        dataset_utils.compile_helpers._megatron_offload = True  # (as install()'s patch marks it)

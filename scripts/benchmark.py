@@ -300,7 +300,7 @@ def report(results, ceilings):
                   f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB); cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
                   f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; expandable segments {r['expandable_segments']}")
-        if ref:
+        if ref and ref is not r and "host_drop_gib" in r and "host_drop_gib" in ref:
             # Acceptance of the host-memory fix: node drop over the baseline's <= 1.05 x pinned + 1 GiB/rank.
             extra = r["host_drop_gib"] - ref["host_drop_gib"]
             r["host_extra_gib"] = extra

@@ -13,6 +13,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 SAFE_ENV = {  # never let NCCL / PyTorch / NVSHMEM use NVLink multicast on shared machines
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -67,7 +69,8 @@ def _command(name, args, nproc, out, script, env_extra):
     env["MEGATRON_OFFLOAD_RECORD"] = record
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     script = os.path.join(REPO, script)  # (an absolute path stays as it is)
-    if os.path.basename(script) == "pretrain_gpt_mock.py" and "MEGATRON_OFFLOAD_KILL_AT" not in env:
+    if (os.path.basename(script) == "pretrain_gpt_mock.py" and "MEGATRON_OFFLOAD_KILL_AT" not in env
+            and "MEGATRON_OFFLOAD_NO_PLUGIN" not in env):
         entry = ["-m", "megatron_offload", script]  # the mock records itself
     else:  # any other script (Megatron-LM's own): the recorder is installed around it
         entry = [RECORDED_LAUNCH, script]
@@ -119,14 +122,9 @@ def _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout, 
 
 
 def _mem_available():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from megatron_offload import host_memory  # (REPO is on sys.path: see below)
+
+    return host_memory.read().available
 
 
 class HostSampler:

@@ -42,8 +42,10 @@ if [ "${TE:-0}" = 1 ]; then
   bash te_carry/install_te.sh te_carry /tmp/te_site python3 > "$OUT/te_install.log" 2>&1 || { cat "$OUT/te_install.log"; exit 1; }
   export PYTHONPATH=/tmp/te_site:$PYTHONPATH
   export LD_LIBRARY_PATH=$SP/nvidia/nccl/lib:$SP/nvidia/cu13/lib:$SP/nvidia/cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  # TE=1 must never quietly run without TE (megatron-core would fall back to torch Adam).
   python3 -c 'import torch, transformer_engine.pytorch as te, transformer_engine; print("TE", transformer_engine.__version__)' \
-    2>&1 | tail -1 | tee -a "$OUT/te_install.log"
+    >> "$OUT/te_install.log" 2>&1 || { echo "TE=1 but Transformer Engine does not import:"; tail -5 "$OUT/te_install.log"; exit 1; }
+  tail -1 "$OUT/te_install.log"
   echo "TE install: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/te_install.log"
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m; } | tee "$OUT/gpus.txt"

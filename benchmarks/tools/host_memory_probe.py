@@ -80,7 +80,7 @@ def probe(mode, nbytes, workers):
     del it, loader
     row["host_byte_kept"] = int(host[12345].item()) == 7
     unpin()
-    del host
+    del host, unpin  # (the closure holds the buffer too)
     row["after_free_drop_gib"] = (start - available()) / GIB
     print(json.dumps(row), flush=True)
     return row

@@ -58,20 +58,12 @@ def main() -> None:
     if os.environ.get("MEGATRON_OFFLOAD_KILL_AT"):
         _install_kill(int(os.environ["MEGATRON_OFFLOAD_KILL_AT"]))
     if no_plugin:  # none of the plugin's code but the pip wheel's missing-Makefile fix
-        import runpy
-
         from megatron_offload import upstream_fixes
 
         upstream_fixes.install_wheel_fix_only()
-
-        script = sys.argv[1]
-        sys.argv = sys.argv[1:]
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
-        return
     from megatron_offload.__main__ import main as launch
 
-    launch(sys.argv[1:])
+    launch(sys.argv[1:], install=not no_plugin)
 
 
 if __name__ == "__main__":

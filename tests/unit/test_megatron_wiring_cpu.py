@@ -345,3 +345,17 @@ def test_an_unvalidated_release_with_matching_hooks_gets_a_note(monkeypatch):
 
     monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.21.0")
     assert "0.21.0" in compat.check() and "validated on 0.19.x only" in compat.check()
+
+
+def test_launcher_help_lists_every_flag_with_its_default():
+    out = subprocess.run([sys.executable, "-m", "megatron_offload", "--help"], capture_output=True, text=True,
+                         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr
+    parser = argparse.ArgumentParser()
+    megatron_wiring.add_arguments(parser)
+    flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.option_strings[0].startswith("--offload")]
+    assert len(flags) >= 9
+    for flag in flags:
+        assert flag in out.stdout, flag
+    assert "usage: torchrun" in out.stdout and "-m megatron_offload SCRIPT.py" in out.stdout
+    assert "(default: 512)" in out.stdout  # --offload-chunk-size-mb
