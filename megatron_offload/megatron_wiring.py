@@ -276,7 +276,10 @@ def configure_allocator() -> Optional[str]:
     enable, note = allocator_choice(_alloc_conf_from_env())
     if enable:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
-        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        # The accelerator-generic setter where this torch has it (torch.cuda's own name for it
+        # warns that it is deprecated there), else the older one.
+        setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                  or getattr(torch.cuda.memory, "_set_allocator_settings", None))
         if setter is not None:
             try:
                 setter(EXPANDABLE_SEGMENTS)

@@ -359,3 +359,16 @@ def test_launcher_help_lists_every_flag_with_its_default():
         assert flag in out.stdout, flag
     assert "usage: torchrun" in out.stdout and "-m megatron_offload SCRIPT.py" in out.stdout
     assert "(default: 512)" in out.stdout  # --offload-chunk-size-mb
+
+
+def test_turning_on_expandable_segments_warns_nothing_of_ours(monkeypatch):
+    """torch.cuda's allocator setter warns that it is deprecated on every launch; the plugin uses
+    the accelerator-generic one where torch has it."""
+    import warnings
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        note = megatron_wiring.configure_allocator()
+    assert "turned on PyTorch's expandable segments" in note
