@@ -366,8 +366,9 @@ def test_turning_on_expandable_segments_warns_nothing_of_ours(monkeypatch):
     the accelerator-generic one where torch has it."""
     import warnings
 
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # (registers the variable, so that what the call sets is undone)
+        monkeypatch.delenv(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         note = megatron_wiring.configure_allocator()
