@@ -315,14 +315,22 @@ def report(profile: Profile, name: str = "") -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="megatron-offload-plan", description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", choices=sorted(PRESETS))
-    src.add_argument("--profile", help="JSON timeline of one iteration without offloading")
-    parser.add_argument("--state-gib", type=float, help="override the state size")
-    parser.add_argument("--gbps", type=float, help="override the bandwidth of both directions")
+    src.add_argument("--preset", choices=sorted(PRESETS),
+                     help="a built-in profile: r1 (GPT 24 x 2048, DP2, 4 microbatches), r2 (r1 with full "
+                          "activation recompute: the step is the peak), r3 (r1's model at PP2 x DP2, 8 microbatches)")
+    src.add_argument("--profile", help="JSON timeline of one iteration without offloading (see load_profile)")
+    parser.add_argument("--state-gib", type=float, help="override the optimizer state size per rank (GiB)")
+    parser.add_argument("--gbps", type=float, help="override the PCIe bandwidth of each direction (GB/s)")
     opts = parser.parse_args(argv)
-    profile = PRESETS[opts.preset] if opts.preset else load_profile(opts.profile)
+    try:
+        profile = PRESETS[opts.preset] if opts.preset else load_profile(opts.profile)
+    except OSError as err:
+        parser.error(f"cannot read --profile {opts.profile}: {err.strerror}")
+    except (ValueError, KeyError, TypeError) as err:
+        parser.error(f"--profile {opts.profile} is not a profile ({type(err).__name__}: {err}); "
+                     "expected JSON with state_gib and segments [{kind, ms, growth_start_gib, growth_end_gib}]")
     if opts.state_gib is not None:
         profile = dataclasses.replace(profile, state_bytes=opts.state_gib * GiB)
     if opts.gbps is not None:

@@ -135,3 +135,18 @@ def test_median_marks_keep_one_slow_phase_from_moving_the_floor():
     # One timeline, or timelines of other phases, are left as they are.
     assert planner.median_marks([slow]) == slow
     assert planner.median_marks([clean, clean[:-2]]) == clean
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"state_gib": 1}'])
+def test_planner_cli_answers_bad_profiles_in_one_line(tmp_path, content, capsys):
+    from megatron_offload import planner
+
+    path = tmp_path / "profile.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as err:
+        planner.main(["--profile", str(path)])
+    assert err.value.code == 2
+    text = capsys.readouterr().err
+    want = "cannot read --profile" if content is None else "is not a profile"
+    assert "megatron-offload-plan: error: " in text and want in text and "Traceback" not in text, text
