@@ -385,7 +385,9 @@ def _enabled() -> bool:
 def _wrap_add_megatron_arguments(original):
     @functools.wraps(original)
     def wrapper(parser):
-        return add_arguments(original(parser))
+        parser = add_arguments(original(parser))
+        upstream_fixes.mend_help_strings(parser)
+        return parser
 
     return wrapper
 

@@ -6,6 +6,8 @@ They make a pip install of megatron-core run Megatron-LM's own scripts at all, w
   compile_helpers   the wheel ships the compiled dataset helper but no Makefile, and
                     `initialize_megatron` runs `make` on rank 0, which fails and exits: skip the
                     build when the prebuilt `helpers_cpp` imports.
+  help strings      one upstream help text has a bare '%': `--help` crashed in argparse
+                    (`mend_help_strings`, applied when Megatron builds its parser).
   DistributedOptimizer.state_dict / load_state_dict
                     without Apex or Transformer Engine (the torch AdamW fallback) a torch_dist
                     resume fails (empty state) or restarts Adam's bias correction (every
@@ -97,6 +99,21 @@ def _wrap_distopt_load_state_dict(original):
         return result
 
     return wrapper
+
+
+def mend_help_strings(parser) -> int:
+    """Escape '%' in the help strings argparse cannot format. megatron-core 0.19.2's help of
+    --moe-paged-stash-buffer-size-factor-cuda has a bare '%', so any `--help` raised ValueError
+    ("unsupported format character") from deep inside argparse. Returns how many were mended."""
+    mended = 0
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                action.help % dict(vars(action), prog=parser.prog)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
+                mended += 1
+    return mended
 
 
 def install(patch) -> None:

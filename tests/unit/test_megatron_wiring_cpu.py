@@ -373,3 +373,20 @@ def test_turning_on_expandable_segments_warns_nothing_of_ours(monkeypatch):
         warnings.simplefilter("error", FutureWarning)
         note = megatron_wiring.configure_allocator()
     assert "turned on PyTorch's expandable segments" in note
+
+
+def test_a_megatron_script_help_works_on_megatron_core_0_19(tmp_path):
+    """`megatron-offload SCRIPT --help` used to crash in argparse on an upstream help string with a
+    bare '%' (upstream_fixes.mend_help_strings)."""
+    import megatron.training.arguments as arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    arguments.add_megatron_arguments(parser)  # (wrapped by install(): mended)
+    text = parser.format_help()
+    assert "--offload-optimizer-states" in text and "--moe-paged-stash-buffer-size-factor-cuda" in text
+    script = tmp_path / "train.py"
+    script.write_text("from megatron.training.arguments import parse_and_validate_args\nparse_and_validate_args()\n")
+    out = subprocess.run([sys.executable, "-m", "megatron_offload", str(script), "--help"], capture_output=True,
+                         text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--offload-chunk-size-mb" in out.stdout
