@@ -155,3 +155,20 @@ def test_soak_stats_report_tail_latency_and_reserved_creep():
     assert s["p99_ms"] == 100.0 and 151 in s["slowest_iterations"]
     assert abs(s["reserved_creep"] - 0.01) < 1e-9
     assert soak_stats(its[:150], warmup=20) is None  # too short for two windows
+
+
+def test_benchmark_losses_are_identical_only_over_the_whole_run(capsys):
+    """The benchmark compared losses over the common prefix only, so a variant with no (or a
+    truncated set of) losses counted as identical."""
+    from benchmark import report
+
+    def variant(losses):
+        return {"median_ms": 1.0, "max_reserved_gib": [1.0], "max_allocated_gib": [1.0], "steady_max_reserved_gib": [1.0],
+                "offloaded_gib": [0.5], "pinned_gib": [0.5], "losses": losses}
+
+    results = {"baseline": variant(["0x1p+0", "0x1p-1"]), "offload": variant([]), "offload@again": variant(["0x1p+0", None]),
+               "offload-chunk64": variant(["0x1p+0", "0x1p-1"])}
+    report(results, None)
+    assert results["offload"]["losses_identical"] is False
+    assert results["offload@again"]["losses_identical"] is False
+    assert results["offload-chunk64"]["losses_identical"] is True
