@@ -163,9 +163,8 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
         self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
-        # One entry per state access in progress (nested ones inside others): "host_read" or
-        # "host_write" where it runs on the exposed host copies, "gpu" where it took the state back.
-        self._accesses: List[tuple] = []  # (offloader, kind), innermost last
+        # One entry per state access in progress, innermost last: (offloader, state_access.Access).
+        self._accesses: List[tuple] = []
         self._nested_writes: set = set()  # id() of offloaders written inside a nested access, until the outermost closes
         # Writers may run on the host copies (`before_state_access`); off where the load path
         # needs the state on the GPU (e.g. Megatron's fully parallel load exchanges it over NCCL).

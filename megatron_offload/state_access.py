@@ -6,6 +6,7 @@ attributes they use are set in its `__init__`.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 
 from .chunks import ChunkState
@@ -13,6 +14,14 @@ from .offloader import OptimizerStateOffloader
 from .phase import Phase
 
 logger = logging.getLogger(__name__)
+
+
+class Access(enum.Enum):
+    """How one access in progress reaches the state (the coordinator's `_accesses` stack)."""
+
+    HOST_READ = "host_read"  # reads what is off the GPU from the exposed host copies
+    HOST_WRITE = "host_write"  # writes into the exposed host copies (a torch_dist load into torch Adam)
+    GPU = "gpu"  # took the state back to the GPU first
 
 
 class StateAccess:
@@ -36,19 +45,19 @@ class StateAccess:
         # (on the host inside a host access, on the GPU inside a GPU one); siblings (each
         # DistributedOptimizer of a chain) are independent.
         enclosing = [kind for o, kind in self._accesses if o is off]
-        on_host = (enclosing[-1] != "gpu") if enclosing else host_copies_ok
+        on_host = (enclosing[-1] is not Access.GPU) if enclosing else host_copies_ok
         if on_host and not will_modify:
-            kind = "host_read"
+            kind = Access.HOST_READ
             off.expose_host_copies()
         elif on_host and self.host_loads and off.host_writes_supported():
-            kind = "host_write"
+            kind = Access.HOST_WRITE
             if off in self._copy_out_due:
                 self._copy_out_due.remove(off)  # (stepped, still resident: sent out just below)
             off.send_out_now()
             off.expose_host_copies()
             self._trace(f"host_write:{off.name}")
         else:
-            kind = "gpu"
+            kind = Access.GPU
             self._take_back(off, will_modify)
         self._suspended += 1
         self._accesses.append((off, kind))
@@ -141,7 +150,7 @@ class StateAccess:
         self._suspended -= 1
         opened, kind = self._accesses.pop()
         assert opened is off, (opened.name, off.name)  # accesses close in the order they nest
-        if kind == "host_write":
+        if kind is Access.HOST_WRITE:
             # What it wrote is in the host copies, which stay exposed until the next forward
             # (dist-checkpointing fills a load template after `sharded_state_dict` returned).
             off.accept_host_writes()
