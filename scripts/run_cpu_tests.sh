@@ -23,11 +23,19 @@ find_python() {
   return 1
 }
 
-PY=$(find_python) || { echo "error: megatron-core needs Python >= 3.12 and none was found" >&2; exit 1; }
+# An active virtualenv with Python >= 3.12 (the quick start's .venv) is used as it is, instead of
+# building a second one; CI (CI=true) always builds its own .venv-ci.
+if [ -z "${VENV:-}" ] && [ -n "${VIRTUAL_ENV:-}" ] && [ "${CI:-}" != true ] &&
+   "$VIRTUAL_ENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] < (3, 12))' 2>/dev/null; then
+  VENV=$VIRTUAL_ENV
+fi
 VENV=${VENV:-.venv-ci}
 if [ ! -x "$VENV/bin/python" ]; then
+  PY=$(find_python) || { echo "error: megatron-core needs Python >= 3.12 and none was found" >&2; exit 1; }
+  echo "creating $VENV with $PY; installing torch and megatron-core takes a few minutes the first time" >&2
   "$PY" -m venv "$VENV"
 fi
+echo "using $VENV" >&2
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check "torch>=2.11,<2.12" "megatron-core==0.19.2" numpy packaging "pytest>=8"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
 "$VENV/bin/python" -m pytest -q tests/unit "$@"
