@@ -114,7 +114,7 @@ class PinnedHostBuffer:
         self.dontfork = False
         self._registered_ptr = None
         self._map = None
-        pin = pin and self.nbytes > 0 and (register is not None or torch.cuda.is_available())
+        pin = pin and (register is not None or torch.cuda.is_available())  # (nbytes == 0: nothing to pin, below)
         if self.nbytes == 0:
             self._storage = torch.empty(0, dtype=torch.uint8)
             return

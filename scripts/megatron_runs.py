@@ -69,7 +69,7 @@ def _command(name, args, nproc, out, script, env_extra):
     env["MEGATRON_OFFLOAD_RECORD"] = record
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     script = os.path.join(REPO, script)  # (an absolute path stays as it is)
-    if (os.path.basename(script) == "pretrain_gpt_mock.py" and "MEGATRON_OFFLOAD_KILL_AT" not in env
+    if (os.path.basename(script) == os.path.basename(MOCK_SCRIPT) and "MEGATRON_OFFLOAD_KILL_AT" not in env
             and "MEGATRON_OFFLOAD_NO_PLUGIN" not in env):
         entry = ["-m", "megatron_offload", script]  # the mock records itself
     else:  # any other script (Megatron-LM's own): the recorder is installed around it
@@ -99,7 +99,7 @@ def upstream_script(explicit=None):
     return None
 
 
-def launch_expecting_failure(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=300,
+def launch_expecting_failure(name, args, nproc, out, script=MOCK_SCRIPT, timeout=300,
                              env_extra=None):
     """Run a command that should be refused; returns (exit code, log text, seconds)."""
     code, elapsed, _ = _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout)
@@ -200,7 +200,7 @@ def replay_failure(name, out):
     return code, log, 0.0
 
 
-def launch(name, args, nproc, out, script="scripts/pretrain_gpt_mock.py", timeout=600, env_extra=None):
+def launch(name, args, nproc, out, script=MOCK_SCRIPT, timeout=600, env_extra=None):
     code, elapsed, record = _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout)
     if code != 0:
         tail = open(os.path.join(out, f"{name}.log")).read()[-4000:]
