@@ -334,7 +334,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--variants", default="baseline,offload")
     p.add_argument("--out", default="/tmp/megatron_offload_bench")
-    p.add_argument("--extra", default="")
+    p.add_argument("--extra", action="append", default=[],
+                   help="extra Megatron args for every run (repeatable; each is split at spaces)")
     p.add_argument("--gbs", type=int, default=None,
                    help="global batch size instead of the preset's (e.g. R1's 4 microbatches per rank on one "
                         "GPU: --nproc 1 --gbs 8)")
@@ -364,7 +365,7 @@ def main(argv=None):
                          opts.timeline_at if opts.timeline_at is not None else ",".join(map(str, marked)))
     os.makedirs(opts.out, exist_ok=True)
     preset = dict(PRESETS[opts.preset], **({"gbs": opts.gbs} if opts.gbs else {}))
-    base = model_args(opts.iters, **preset) + PRESET_ARGS.get(opts.preset, []) + opts.extra.split()
+    base = model_args(opts.iters, **preset) + PRESET_ARGS.get(opts.preset, []) + " ".join(opts.extra).split()
     ceilings = None
     if not opts.no_ceilings:
         # In a subprocess: a CUDA context in this driver would sit on GPU 0 during the runs.

@@ -3,7 +3,8 @@
 #   1. install carried wheels from .whl/ (megatron-core) if present, and with TE=1 Transformer Engine
 #      from te_carry/ (scripts/prepare_te.sh),
 #   2. GPU unit tests (pytest -m gpu, 1 GPU, real DistributedOptimizer),
-#   3. functional runs through torchrun (bit-exact losses/params, memory, checkpoint resume),
+#   3. functional runs through torchrun (bit-exact losses/params, memory, checkpoint resume;
+#      FUNCTIONAL_SETS runs them once per named set of arguments),
 #   4. optionally the parallel-layout matrix (stage `matrix`, 2-4 GPUs),
 #   5. optionally the side-by-side benchmark (BENCH=r1|small),
 #   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS,
@@ -55,9 +56,18 @@ for stage in $STAGES; do
     unit)
       within_budget python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit 2>&1 | tee "$OUT/gpu_unit.log" || status=1 ;;
     functional)
-      within_budget python3 tests/functional/run_functional.py --out "$WORK/functional" --nproc "$NPROC" \
-        ${FUNCTIONAL_ARGS:-} 2>&1 | tee "$OUT/functional.log" || status=1
-      cp "$WORK/functional/functional_summary.json" "$OUT/" 2>/dev/null ;;
+      # FUNCTIONAL_SETS="name=ARGS|name2=ARGS2" runs the suite once per set (e.g. one per optimizer
+      # configuration), each with its own directory, log and summary; else once with FUNCTIONAL_ARGS.
+      IFS='|' read -r -a sets <<< "${FUNCTIONAL_SETS:-functional=${FUNCTIONAL_ARGS:-}}"
+      for set in "${sets[@]}"; do
+        name=${set%%=*}; args=${set#*=}
+        echo "== functional set $name: $args"
+        # shellcheck disable=SC2086  # ARGS is a list of options
+        within_budget python3 tests/functional/run_functional.py --out "$WORK/$name" --nproc "$NPROC" \
+          $args 2>&1 | tee "$OUT/$name.log" || status=1
+        summary=functional_summary.json; [ "$name" = functional ] || summary=${name}_summary.json
+        cp "$WORK/$name/functional_summary.json" "$OUT/$summary" 2>/dev/null
+      done ;;
     matrix)
       within_budget python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" \
         ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/matrix.log" || status=1

@@ -61,7 +61,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--cases", default=CASES)
     p.add_argument("--script", default="auto", help="auto, mock, upstream, or a pretrain_gpt.py / Megatron-LM dir")
-    p.add_argument("--extra", default="", help="extra Megatron args for every run")
+    p.add_argument("--extra", action="append", default=[],
+                   help="extra Megatron args for every run (repeatable; each is split at spaces)")
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
     script = choose_script(opts.script)
@@ -69,7 +70,7 @@ def main(argv=None):
     cases = opts.cases.split(",")
     half = opts.iters // 2
     # Megatron prints every iteration's loss: those printed values are compared too.
-    base = model_args(opts.iters) + ["--deterministic-mode", "--log-interval", "1"] + opts.extra.split()
+    base = model_args(opts.iters) + ["--deterministic-mode", "--log-interval", "1"] + " ".join(opts.extra).split()
     ck = lambda name: os.path.join(opts.out, f"ckpt_{name}")  # noqa: E731
     for name in ("baseline", "offload", "offload_chunked", "crash"):
         shutil.rmtree(ck(name), ignore_errors=True)
