@@ -54,6 +54,92 @@ def choose_script(choice):
     return found or MOCK_SCRIPT
 
 
+def compare_runs(runs, printed, iters, nproc):
+    """[(what, ok, detail)]: every comparison between finished runs (losses, printed losses, params,
+    optimizer state, bytes moved, memory, saves and loads). `runs` maps a case to its launch result
+    ({"ranks": [rank record, ...], ...}), `printed` a case to {iteration: printed loss}. Kept apart
+    from the launches so that the checks themselves are tested on recorded runs."""
+    checks = []
+    half = iters // 2
+
+    def check(what, ok, detail=""):
+        checks.append((what, bool(ok), detail))
+
+    def same_printed(name, ref, first):
+        """Printed losses equal from `first` on, except the second iteration of a resumed run,
+        where Megatron prints the mean of its first two (megatron_printed): that one must differ
+        from the uninterrupted run's line exactly as the rule says (checked per run above)."""
+        want = {i: v for i, v in printed.get(ref, {}).items() if i >= first}
+        got = {i: v for i, v in printed.get(name, {}).items() if i >= first}
+        rule = {first + 1} if first > 1 else set()
+        differ = sorted(i for i in want if got.get(i) != want[i])
+        ok = bool(want) and len(want) == iters - first + 1 and set(differ) <= rule and got.keys() == want.keys()
+        detail = f"({len(want) - len(differ)}/{len(want)} printed losses equal" + (
+            "; differing: iteration %s (%s vs %s)" % (differ[0], got.get(differ[0]), want[differ[0]])
+            if differ else "") + (f"; Megatron prints the mean of a run's first two at {first + 1}" if rule else "") + ")"
+        return ok, detail
+
+    if "baseline" in runs:
+        b = runs["baseline"]
+        if "no_plugin" in runs:
+            check("no_plugin: losses bit-identical to the baseline (installed with the flag off changes nothing)",
+                  losses(runs["no_plugin"]) == losses(b) and len(losses(b)) == iters)
+        for name in ("offload", "offload_chunked"):
+            if name not in runs:
+                continue
+            o = runs[name]
+            lb, lo = losses(b), losses(o)
+            check(f"{name}: losses bit-identical at every iteration", lb == lo and len(lb) == iters,
+                  f"({sum(x == y for x, y in zip(lb, lo))}/{len(lb)} equal)")
+            check(f"{name}: printed losses identical at every iteration", *same_printed(name, "baseline", 1))
+            for r in range(nproc):
+                br, orr = b["ranks"][r], o["ranks"][r]
+                check(f"{name}: rank {r} final params identical", br["params_sha256"] == orr["params_sha256"])
+                check(f"{name}: rank {r} final optimizer state identical",
+                      br["optimizer_state_sha256"] == orr["optimizer_state_sha256"])
+                off_bytes = orr.get("offloaded_bytes", 0)
+                moved = orr.get("cumulative_d2h_bytes", 0)
+                check(f"{name}: rank {r} state actually moved", off_bytes > 0 and moved >= off_bytes * (iters - 1),
+                      f"(d2h {moved / 2**30:.2f} GiB over the run)")
+                if name == "offload":
+                    check(f"{name}: rank {r} steady peak reserved lower", *reserved_saving_check(br, orr, WARMUP))
+                else:  # the unchunked step saves with the whole state resident: nothing to bound there
+                    check(f"{name}: rank {r} checkpoint save reads what is off the GPU from the host",
+                          *save_growth_check(br, orr))
+    for name, ref, source in (("resume_offload", "offload", "offload"),
+                              ("resume_plain", "offload", "offload"),
+                              ("plain_to_offload", "baseline", "baseline"),
+                              ("resume_after_crash", "offload", "crash")):
+        if name in runs and ref in runs:
+            got, want = losses(runs[name]), losses(runs[ref])[half:]
+            check(f"{name}: resumed losses identical to the uninterrupted run", got == want and len(got) == iters - half,
+                  f"({sum(x == y for x, y in zip(got, want))}/{len(want)} equal)")
+            check(f"{name}: printed losses identical to the uninterrupted run", *same_printed(name, ref, half + 1))
+            for r in range(nproc):
+                check(f"{name}: rank {r} final params identical",
+                      runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
+            if name != "resume_plain" and "offload" in runs:
+                # The plugin attaches before the resume's load, which writes into the host copies:
+                # start-up holds no more than a fresh start with offloading (a quarter of the state
+                # of slack; the moments that a load on the GPU allocates are two thirds of it).
+                for r in range(nproc):
+                    rank = runs[name]["ranks"][r]
+                    fresh, resumed = (runs[n]["ranks"][r]["startup_peak"]["max_allocated"] for n in ("offload", name))
+                    state = rank.get("offloaded_bytes", 0)
+                    detail = (f"(start-up peak {resumed / 2**30:.2f} GiB, fresh start {fresh / 2**30:.2f} GiB, "
+                              f"state {state / 2**30:.2f} GiB)")
+                    inner = rank.get("inner_optimizers") or []
+                    if any("transformer_engine" in o for o in inner):
+                        # TE FusedAdam rebuilds its state on load: the load cannot write into the
+                        # host copies and takes the state back (bounded load: torch Adam only).
+                        print(f"[INFO] {name}: rank {r} load on the GPU (TE FusedAdam) {detail}", flush=True)
+                        continue
+                    check(f"{name}: rank {r} the load brought no optimizer state to the GPU",
+                          state > 0 and resumed <= fresh + state // 4, detail)
+
+    return checks
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/megatron_offload_functional")
@@ -119,77 +205,8 @@ def main(argv=None):
                   f"; iteration {differ[0]}: printed {printed[name].get(differ[0])}, expected {want[differ[0]]}"
                   if differ else "") + ")")
 
-    def same_printed(name, ref, first):
-        """Printed losses equal from `first` on, except the second iteration of a resumed run,
-        where Megatron prints the mean of its first two (megatron_printed): that one must differ
-        from the uninterrupted run's line exactly as the rule says (checked per run above)."""
-        want = {i: v for i, v in printed.get(ref, {}).items() if i >= first}
-        got = {i: v for i, v in printed.get(name, {}).items() if i >= first}
-        rule = {first + 1} if first > 1 else set()
-        differ = sorted(i for i in want if got.get(i) != want[i])
-        ok = bool(want) and len(want) == opts.iters - first + 1 and set(differ) <= rule and got.keys() == want.keys()
-        detail = f"({len(want) - len(differ)}/{len(want)} printed losses equal" + (
-            "; differing: iteration %s (%s vs %s)" % (differ[0], got.get(differ[0]), want[differ[0]])
-            if differ else "") + (f"; Megatron prints the mean of a run's first two at {first + 1}" if rule else "") + ")"
-        return ok, detail
-
-    if "baseline" in runs:
-        b = runs["baseline"]
-        if "no_plugin" in runs:
-            check("no_plugin: losses bit-identical to the baseline (installed with the flag off changes nothing)",
-                  losses(runs["no_plugin"]) == losses(b) and len(losses(b)) == opts.iters)
-        for name in ("offload", "offload_chunked"):
-            if name not in runs:
-                continue
-            o = runs[name]
-            lb, lo = losses(b), losses(o)
-            check(f"{name}: losses bit-identical at every iteration", lb == lo and len(lb) == opts.iters,
-                  f"({sum(x == y for x, y in zip(lb, lo))}/{len(lb)} equal)")
-            check(f"{name}: printed losses identical at every iteration", *same_printed(name, "baseline", 1))
-            for r in range(opts.nproc):
-                br, orr = b["ranks"][r], o["ranks"][r]
-                check(f"{name}: rank {r} final params identical", br["params_sha256"] == orr["params_sha256"])
-                check(f"{name}: rank {r} final optimizer state identical",
-                      br["optimizer_state_sha256"] == orr["optimizer_state_sha256"])
-                off_bytes = orr.get("offloaded_bytes", 0)
-                moved = orr.get("cumulative_d2h_bytes", 0)
-                check(f"{name}: rank {r} state actually moved", off_bytes > 0 and moved >= off_bytes * (opts.iters - 1),
-                      f"(d2h {moved / 2**30:.2f} GiB over the run)")
-                if name == "offload":
-                    check(f"{name}: rank {r} steady peak reserved lower", *reserved_saving_check(br, orr, WARMUP))
-                else:  # the unchunked step saves with the whole state resident: nothing to bound there
-                    check(f"{name}: rank {r} checkpoint save reads what is off the GPU from the host",
-                          *save_growth_check(br, orr))
-    for name, ref, source in (("resume_offload", "offload", "offload"),
-                              ("resume_plain", "offload", "offload"),
-                              ("plain_to_offload", "baseline", "baseline"),
-                              ("resume_after_crash", "offload", "crash")):
-        if name in runs and ref in runs:
-            got, want = losses(runs[name]), losses(runs[ref])[half:]
-            check(f"{name}: resumed losses identical to the uninterrupted run", got == want and len(got) == opts.iters - half,
-                  f"({sum(x == y for x, y in zip(got, want))}/{len(want)} equal)")
-            check(f"{name}: printed losses identical to the uninterrupted run", *same_printed(name, ref, half + 1))
-            for r in range(opts.nproc):
-                check(f"{name}: rank {r} final params identical",
-                      runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
-            if name != "resume_plain" and "offload" in runs:
-                # The plugin attaches before the resume's load, which writes into the host copies:
-                # start-up holds no more than a fresh start with offloading (a quarter of the state
-                # of slack; the moments that a load on the GPU allocates are two thirds of it).
-                for r in range(opts.nproc):
-                    rank = runs[name]["ranks"][r]
-                    fresh, resumed = (runs[n]["ranks"][r]["startup_peak"]["max_allocated"] for n in ("offload", name))
-                    state = rank.get("offloaded_bytes", 0)
-                    detail = (f"(start-up peak {resumed / 2**30:.2f} GiB, fresh start {fresh / 2**30:.2f} GiB, "
-                              f"state {state / 2**30:.2f} GiB)")
-                    inner = rank.get("inner_optimizers") or []
-                    if any("transformer_engine" in o for o in inner):
-                        # TE FusedAdam rebuilds its state on load: the load cannot write into the
-                        # host copies and takes the state back (bounded load: torch Adam only).
-                        print(f"[INFO] {name}: rank {r} load on the GPU (TE FusedAdam) {detail}", flush=True)
-                        continue
-                    check(f"{name}: rank {r} the load brought no optimizer state to the GPU",
-                          state > 0 and resumed <= fresh + state // 4, detail)
+    for what, ok, detail in compare_runs(runs, printed, opts.iters, opts.nproc):
+        check(what, ok, detail)
 
     print("\n| case | seconds | peak reserved GiB per rank | offloaded GiB per rank | pinned GiB per rank | "
           "host MemAvailable drop GiB |")

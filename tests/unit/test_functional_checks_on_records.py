@@ -1,0 +1,106 @@
+"""The functional suite's comparisons (run_functional.compare_runs) on the records of a real run:
+they pass as recorded, and each deliberately broken variant of the run makes its check fail."""
+
+import copy
+import json
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "functional"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "scripts"))
+
+from run_functional import compare_runs  # noqa: E402
+
+ITERS, NPROC = 30, 1
+
+
+@pytest.fixture
+def recorded():
+    data = json.load(open(os.path.join(HERE, "data", "functional_records_h100x1.json")))["runs"]
+    runs = {name: {"ranks": case["ranks"]} for name, case in data.items()}
+    printed = {name: {int(i): v for i, v in case["printed"].items()} for name, case in data.items()}
+    return runs, printed
+
+
+def failed(runs, printed):
+    return [what for what, ok, _ in compare_runs(runs, printed, ITERS, NPROC) if not ok]
+
+
+def test_the_recorded_run_passes_every_check(recorded):
+    checks = compare_runs(*recorded, ITERS, NPROC)
+    assert len(checks) >= 25
+    assert [c for c in checks if not c[1]] == []
+
+
+def test_a_save_that_brings_the_whole_state_back_fails(recorded):
+    runs, printed = recorded
+    rank = runs["offload_chunked"]["ranks"][0]
+    for save in rank["saves"]:
+        save["max_allocated"] = save["allocated_before"] + rank["offloaded_bytes"]
+    assert failed(runs, printed) == ["offload_chunked: rank 0 checkpoint save reads what is off the GPU from the host"]
+
+
+def test_a_save_with_the_state_resident_proves_nothing_and_fails(recorded):
+    runs, printed = recorded
+    for save in runs["offload_chunked"]["ranks"][0]["saves"]:
+        save["offloaded_before"] = 0
+    assert failed(runs, printed) == ["offload_chunked: rank 0 checkpoint save reads what is off the GPU from the host"]
+
+
+def test_a_run_with_the_flag_that_never_attached_fails(recorded):
+    """What an unattached plugin records: the baseline's memory and no bytes moved."""
+    runs, printed = recorded
+    rank = runs["offload"]["ranks"][0]
+    rank.update(offloaded_bytes=0, cumulative_d2h_bytes=0,
+                iterations=copy.deepcopy(runs["baseline"]["ranks"][0]["iterations"]))
+    assert failed(runs, printed) == ["offload: rank 0 state actually moved", "offload: rank 0 steady peak reserved lower"]
+
+
+def test_a_saving_inside_the_run_to_run_spread_fails(recorded):
+    """0.05 GiB lower: a plain `<` passed on that; half the state is required."""
+    runs, printed = recorded
+    plain = runs["baseline"]["ranks"][0]["iterations"]
+    for ours, base in zip(runs["offload"]["ranks"][0]["iterations"], plain):
+        ours["max_reserved"] = base["max_reserved"] - 50 * 2**20
+    assert failed(runs, printed) == ["offload: rank 0 steady peak reserved lower"]
+
+
+def test_one_different_loss_fails(recorded):
+    runs, printed = recorded
+    its = runs["offload"]["ranks"][0]["iterations"]
+    its[5]["loss"] = (float.fromhex(its[5]["loss"]) * (1 + 2**-20)).hex()  # before the resumes' save
+    assert failed(runs, printed) == ["offload: losses bit-identical at every iteration"]
+
+
+def test_a_run_that_stopped_early_fails_although_its_losses_match(recorded):
+    runs, printed = recorded
+    del runs["offload"]["ranks"][0]["iterations"][25:]
+    assert "offload: losses bit-identical at every iteration" in failed(runs, printed)
+
+
+def test_a_load_that_puts_the_state_on_the_gpu_fails(recorded):
+    runs, printed = recorded
+    rank = runs["resume_offload"]["ranks"][0]
+    rank["startup_peak"]["max_allocated"] += rank["offloaded_bytes"]
+    assert failed(runs, printed) == ["resume_offload: rank 0 the load brought no optimizer state to the GPU"]
+
+
+def test_different_final_params_or_state_fail(recorded):
+    runs, printed = recorded
+    runs["offload"]["ranks"][0]["params_sha256"] = "0" * 64
+    runs["offload_chunked"]["ranks"][0]["optimizer_state_sha256"] = "0" * 64
+    got = failed(runs, printed)
+    assert "offload: rank 0 final params identical" in got
+    assert "offload_chunked: rank 0 final optimizer state identical" in got
+    # The resumes from the offload run are compared with its final params too.
+    assert set(got) - {"offload: rank 0 final params identical", "offload_chunked: rank 0 final optimizer state identical"} == {
+        f"{n}: rank 0 final params identical" for n in ("resume_offload", "resume_plain", "resume_after_crash")}
+
+
+def test_a_resumed_printed_loss_off_the_logging_rule_fails(recorded):
+    runs, printed = recorded
+    printed["resume_offload"][25] = "1.000000E+00"
+    assert failed(runs, printed) == ["resume_offload: printed losses identical to the uninterrupted run"]
