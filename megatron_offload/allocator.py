@@ -22,7 +22,7 @@ class CacheRelease:
     """Handing cached free memory back to the device, once per iteration at a chosen point."""
 
     def _release_cache_at(self, point: str) -> None:
-        if self.release_cache and point in self.release_at:
+        if self.config.release_cache and point in self.config.release_at:
             self._trace(f"release:{point}")
             self._release_cache()
 

@@ -23,7 +23,7 @@ class ChunkedStepSchedule:
         """Chunk bytes that may be resident during the step.
 
         The step should not set the iteration's peak: allocated memory there may reach what the
-        forwards reached with the state off (`_fwd_end_max`, the same ceiling as the backward's
+        forwards reached with the state off (`it.forward_end_max`, the same ceiling as the backward's
         reloads), less one chunk's worth of Adam temporaries (a foreach Adam over a piece
         allocates a few piece-sized lists) and the margin. Never below STEP_WINDOW_CHUNKS chunks,
         which the pipeline needs; when the activations leave more room, the whole state. See
@@ -33,16 +33,16 @@ class ChunkedStepSchedule:
         if self.step_budget_bytes:
             return max(self.step_budget_bytes, slot)
         floor = STEP_WINDOW_CHUNKS * slot
-        if not self._fwd_end_max:
+        if not self.it.forward_end_max:
             return floor
         other = self._allocated() - self._resident_bytes()
-        return max(floor, self._fwd_end_max - other - slot - self.margin_bytes)
+        return max(floor, self.it.forward_end_max - other - slot - self.config.margin_bytes)
 
     def _backward_reload_cap(self) -> float:
         """Most chunk bytes the backward may bring back: unbounded for the unchunked step; for
         the chunked step its budget (the explicit one, else the last step's, else the minimum:
         the automatic budget reads memory the backward's activations still hold)."""
-        if not self.chunked_step:
+        if not self.config.chunked_step:
             return float("inf")
         if self.step_budget_bytes:
             return self._step_budget()
@@ -80,47 +80,47 @@ class ChunkedStepSchedule:
         docs/design.md). Left in flight, it is
         the next piece's room to free, by when its copy has run during that piece's Adam. The
         window is then: one chunk leaving, one stepped, one or more arriving (STEP_WINDOW_CHUNKS)."""
-        candidates = self._stepped_out[:-1] if keep_latest else list(self._stepped_out)
+        candidates = self.it.stepped_out[:-1] if keep_latest else list(self.it.stepped_out)
         for off, chunk in candidates:
             if nbytes <= 0:
                 break
-            self._stepped_out.remove((off, chunk))
+            self.it.stepped_out.remove((off, chunk))
             if chunk.state is ChunkState.COPYING_OUT:
                 nbytes -= off.free([chunk])
 
     def _begin_chunked_step(self, off: OptimizerStateOffloader):
         """The pieces of `off`'s step: chunks already back (or coming) first, then the rest."""
         self._stepping(off)
-        if not self._step_budget_now:
-            self._step_budget_now = self._step_budget()
-        self.step_budgets = (self.step_budgets + [self._step_budget_now])[-64:]
+        if not self.it.step_budget:
+            self.it.step_budget = self._step_budget()
+        self.step_budgets = (self.step_budgets + [self.it.step_budget])[-64:]
         rank = {ChunkState.RESIDENT: 0, ChunkState.COPYING_OUT: 0, ChunkState.COPYING_IN: 1,
                 ChunkState.OFFLOADED: 2}
         order = sorted(off.chunks, key=lambda c: rank[c.state])
-        self._step_order[id(off)] = order
+        self.it.step_order[id(off)] = order
         # One piece per chunk (a parameter's state is never split across chunks), then one for
         # the parameters with no chunk: state kept by the fraction, or not created yet.
         return chunked_step.complete_pieces(off.dist_opt.optimizer, chunked_step.pieces_by_last_chunk(order))
 
     def _before_piece(self, off: OptimizerStateOffloader, k: int) -> None:
-        order = self._step_order[id(off)]
+        order = self.it.step_order[id(off)]
         if k >= len(order):
             return
-        self._admit([(off, c) for c in order[k:]], self._step_budget_now, force_first=True)
+        self._admit([(off, c) for c in order[k:]], self.it.step_budget, force_first=True)
         off.make_resident(will_modify=True, chunks=[order[k]])
         self._step_level = max(self._step_level, self._allocated())
 
     def _after_piece(self, off: OptimizerStateOffloader, k: int) -> None:
-        order = self._step_order[id(off)]
+        order = self.it.step_order[id(off)]
         if k >= len(order):
             return
         # Copy the stepped chunk out now only if a chunk still to be stepped (this optimizer's
         # or a later one's in the chain) needs its room; otherwise it stays resident and leaves
         # with the next forward like an unchunked step's state: a D2H enqueued now would also
         # hold up the loss read that follows the step (optimizer_step_done).
-        later = order[k + 1:] + [c for o in self.offloaders if id(o) not in self._stepped for c in o.chunks]
+        later = order[k + 1:] + [c for o in self.offloaders if id(o) not in self.it.stepped for c in o.chunks]
         if not any(c.state is ChunkState.OFFLOADED for c in later):
             return
         off.start_copy_out([order[k]])
-        self._stepped_out.append((off, order[k]))
-        self._admit([(off, c) for c in order[k + 1:]], self._step_budget_now)
+        self.it.stepped_out.append((off, order[k]))
+        self._admit([(off, c) for c in order[k + 1:]], self.it.step_budget)

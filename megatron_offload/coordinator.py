@@ -33,19 +33,19 @@ from typing import Callable, Iterable, List, Optional
 import torch
 
 from . import auto_fraction, chunked_step
-from .allocator import RELEASE_POINTS, CacheRelease, _allocator_stat, _free_block_reader
+from .allocator import CacheRelease, _allocator_stat, _free_block_reader
 from .calibration import Calibration
 from .chunked_schedule import ChunkedStepSchedule
+from .config import AllocatorProbes, OffloadConfig
+from .iteration import ForwardSample, IterationRecord, IterationState
 from .ledger import Ledger
 from .memory_policy import MemoryPolicy
-from .offloader import DEFAULT_CHUNK_BYTES, ChunkState, OptimizerStateOffloader
+from .offloader import ChunkState, OptimizerStateOffloader
 from .phase import Phase
 from .state_access import StateAccess
 from .streams import CopyStreams
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MARGIN_BYTES = 64 * 2**20
 
 
 def _inert_once_closed(method):
@@ -66,99 +66,56 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
 
     def __init__(
         self,
+        config: OffloadConfig = OffloadConfig(),
+        *,
         device: Optional[torch.device] = None,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        margin_bytes: int = DEFAULT_MARGIN_BYTES,
+        probes: AllocatorProbes = AllocatorProbes(),
         expected_forwards_per_iteration: Optional[Callable[[], int]] = None,
-        memory_allocated: Optional[Callable[[], int]] = None,
-        max_memory_allocated: Optional[Callable[[], int]] = None,
-        timing: bool = True,
         announce: Optional[Callable[[str], None]] = None,
-        copy_piece_bytes: int = 0,
-        free_block_sizes: Optional[Callable[[], List[int]]] = None,
-        state_fraction: float = 1.0,
-        auto_fraction_at: Optional[int] = None,
-        memory_room: Optional[Callable[[], float]] = None,
         smallest_in_group: Optional[Callable[[float], float]] = None,
-        chunked_step: bool = False,
-        step_budget_bytes: int = 0,
-        release_cache: bool = False,
-        empty_cache: Optional[Callable[[], None]] = None,
-        release_at: Iterable[str] = ("offloaded",),
-        allocated_total: Optional[Callable[[], int]] = None,
-        keep_backward_workspace: bool = True,
-        host_waits_at_free: bool = False,
-        host_loads: bool = True,
     ):
+        """`expected_forwards_per_iteration`: training forwards per iteration (microbatches times
+        model chunks), read when a backward begins, to know when no forward follows; None: the
+        reloads start at `grads_finalizing`. `smallest_in_group`: the minimum of a number over the
+        ranks that step in lockstep with this one (a collective), for the automatic fraction."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        self.config = config
         self.device = torch.device(device)
-        self.streams = CopyStreams(self.device, timing=timing)
-        self.chunk_bytes = chunk_bytes
-        self.copy_piece_bytes = copy_piece_bytes
-        self.state_fraction = state_fraction
-        self.margin_bytes = margin_bytes
+        self.streams = CopyStreams(self.device, timing=config.timing)
         self.expected_forwards = expected_forwards_per_iteration
-        self._allocated = memory_allocated or _allocator_stat(self.device, "current")
-        self._max_allocated = max_memory_allocated or _allocator_stat(self.device, "peak")
-        # Sizes of the caching allocator's free blocks that a reload on the compute stream could
-        # use without a new segment (None: no such check, e.g. on CPU).
-        self._free_block_sizes = free_block_sizes
-        if self._free_block_sizes is None and self.device.type == "cuda" and memory_allocated is None:
-            self._free_block_sizes = _free_block_reader(self.device, self.streams.compute)
-        # `--offload-state-fraction auto`: offload everything until iteration `auto_fraction_at`,
-        # measure it, then keep resident what cannot move for free (auto_fraction.py).
-        self.auto_fraction_at = auto_fraction_at
-        self.auto_choice: Optional[auto_fraction.Choice] = None
-        self._memory_room = memory_room or auto_fraction.memory_room(self.device)
-        # Minimum of a number over the ranks that step in lockstep with this one (a collective;
-        # None: this rank decides alone), for the automatic fraction (auto_fraction.agree).
         self._smallest_in_group = smallest_in_group
+        self._announce_fn = announce or (lambda msg: logger.info("megatron-offload: %s", msg))
+        self._announced_bytes = 0
+
+        # Allocator readers (allocator.py), injected by tests and CPU runs.
+        self._allocated = probes.allocated or _allocator_stat(self.device, "current")
+        self._max_allocated = probes.max_allocated or _allocator_stat(self.device, "peak")
+        self._allocated_total = probes.allocated_total or _allocator_stat(self.device, "allocated")
+        self._memory_room = probes.memory_room or auto_fraction.memory_room(self.device)
+        self._empty_cache = probes.empty_cache or (torch.cuda.empty_cache if self.device.type == "cuda" else None)
+        # Sizes of the allocator's free blocks that a reload on the compute stream could use
+        # without a new segment (None: no such check, e.g. on CPU; `[]`: nothing ever fits, so
+        # no reload inside the backward).
+        self._free_block_sizes = probes.free_block_sizes
+        if not config.backward_reloads:
+            self._free_block_sizes = lambda: []
+        elif self._free_block_sizes is None and self.device.type == "cuda" and probes.allocated is None:
+            self._free_block_sizes = _free_block_reader(self.device, self.streams.compute)
+
+        # What the run changes: the automatic fraction chooses the share and stops measuring;
+        # the chunked step's bound may be set explicitly (tests).
+        self.state_fraction = config.state_fraction
+        self.auto_fraction_at = config.auto_fraction_at
+        self.step_budget_bytes = config.step_budget_bytes
+        self.auto_choice: Optional[auto_fraction.Choice] = None
         self._recorder: Optional[auto_fraction.PhaseRecorder] = None
-        self._iterations_done = 0
-        # Bytes ever allocated (the allocator's cumulative counter), to measure what one layer's
-        # backward allocates: that much free memory stays free while chunks reload (`_fitting`).
-        self._allocated_total = allocated_total or _allocator_stat(self.device, "allocated")
-        # False: reloads ignore the next layer's workspace (`_fitting`; the earlier rule, kept as
-        # a switch so that the benchmark can measure both in one call).
-        self.keep_backward_workspace = keep_backward_workspace
-        # The forward's frees block the host until their copy-out is done (`_free_until`; off by
-        # default: not shown to help, and the host's wait costs step time; see [Note: host waits
-        # at free] in docs/design.md).
-        self.host_waits_at_free = host_waits_at_free
-        self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
-        self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
-        self._workspace_mark: Optional[int] = None
-        self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
-        self._backwards = 0  # backwards begun this iteration
-        self.fit_checks = 0  # calls of _free_block_sizes, and their host time
-        self.fit_check_ms = 0.0
-        self.reloads_deferred_for_fit = 0
-        # Once per training iteration, when the last offloaded chunk is freed, hand the caching
-        # allocator's free memory back to the driver (`_release_cache`).
-        self.release_cache = release_cache
-        # Where in the iteration (RELEASE_POINTS; "offloaded" unless measuring the others).
-        self.release_at = frozenset(release_at)
-        unknown = self.release_at - set(RELEASE_POINTS)
-        if unknown:
-            raise ValueError(f"unknown release point(s) {sorted(unknown)}; known: {RELEASE_POINTS}")
-        self._empty_cache = empty_cache or (torch.cuda.empty_cache if self.device.type == "cuda" else None)
-        self.cache_releases = 0
-        self.cache_release_ms = 0.0
-        # The chunked step (module doc of chunked_step.py): state resident during the step is
-        # bounded by `step_budget_bytes` (0: chosen at each step, `_step_budget`).
-        self.chunked_step = chunked_step
-        self.step_budget_bytes = step_budget_bytes
-        self.step_budgets: List[int] = []  # the budget of each chunked step so far (bounded)
-        self._step_order = {}  # id(offloader) -> its chunks in the order the chunked step takes them
-        self._stepped_out: List = []  # (offloader, chunk) copied out during the step, oldest first
-        self._step_budget_now = 0
-        self._step_level = 0  # highest allocated level at a piece's start, this step and the last
-        self._last_step_level = 0
-        self._skipped_last_step = False
+
         self.offloaders: List[OptimizerStateOffloader] = []
         self.closed = False  # set by close(): the lifecycle methods are inert from then on
-        self.phase = Phase.NO_STATE
+        self.phase = Phase.NO_STATE  # where the state is (phase.py)
+        self.it = IterationRecord(state=IterationState.STARTUP)  # where the loop is (iteration.py)
+        self._iterations_done = 0
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
@@ -166,29 +123,24 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         # One entry per state access in progress, innermost last: (offloader, state_access.Access).
         self._accesses: List[tuple] = []
         self._nested_writes: set = set()  # id() of offloaders written inside a nested access, until the outermost closes
-        # Writers may run on the host copies (`before_state_access`); off where the load path
-        # needs the state on the GPU (e.g. Megatron's fully parallel load exchanges it over NCCL).
-        self.host_loads = host_loads
 
-        # Per-iteration counters.
-        self._train_forwards = 0
-        self._stepped = set()  # ids of offloaders whose inner step ran this iteration
-        self._sampling = False  # first training forward of the iteration: sample memory per layer
-        self._a0: Optional[int] = None  # allocated at this iteration's first forward (if sampled)
-        self._m0 = 0
-        self._freed_at_first_hook = False  # no profile yet: everything freed at the first hook
-        self._freed_this_iter = 0
-        self._position = 0  # pacing modules entered in the current training forward
-        self._freed_at = {}  # id(chunk) -> position before which it was freed this iteration
-        self._fwd_end_max = 0
-        self._window_open = False
-
-        # Growth profile of the first forward, running max over iterations (see module doc).
+        # Across iterations: the first forward's growth profile (running max; memory_policy.py),
+        # the backward's workspace, the chunked step's levels, and counters for the report.
         self.profile: List[int] = []
         self.profile_end: Optional[int] = None
         self.peak_growth: Optional[int] = None
-        self._announce_fn = announce or (lambda msg: logger.info("megatron-offload: %s", msg))
-        self._announced_bytes = 0
+        self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
+        self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
+        self.step_budgets: List[int] = []  # the budget of each chunked step so far (bounded)
+        self._step_level = 0  # highest allocated level at a piece's start, this step and the last
+        self._last_step_level = 0
+        self._skipped_last_step = False
+        self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
+        self.fit_checks = 0  # calls of _free_block_sizes, and their host time
+        self.fit_check_ms = 0.0
+        self.reloads_deferred_for_fit = 0
+        self.cache_releases = 0
+        self.cache_release_ms = 0.0
 
     # ------------------------------------------------------------------------------------------
     # Registration
@@ -205,14 +157,14 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
                 f"megatron-offload: add_optimizer needs a megatron-core DistributedOptimizer (the sharded "
                 f"state it moves: inner optimizer, fp32 master shards), got a {type(dist_opt).__name__}; "
                 "build the optimizer with use_distributed_optimizer=True (--use-distributed-optimizer)")
-        off = OptimizerStateOffloader(dist_opt, self.streams, self.chunk_bytes, name=name,
-                                      copy_piece_bytes=self.copy_piece_bytes, fraction=self.state_fraction,
-                                      by_parameter=self.chunked_step)
+        off = OptimizerStateOffloader(dist_opt, self.streams, self.config.chunk_bytes, name=name,
+                                      copy_piece_bytes=self.config.copy_piece_bytes, fraction=self.state_fraction,
+                                      by_parameter=self.config.chunked_step)
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)
         if inner is None or getattr(dist_opt, "is_stub_optimizer", False):
             return off
-        if self.chunked_step:
+        if self.config.chunked_step:
             uninstall = chunked_step.install_piecewise_step(
                 dist_opt,
                 make_pieces=lambda off=off: self._begin_chunked_step(off),
@@ -261,7 +213,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
 
     @_inert_once_closed
     def forward_begin(self, training: bool = True) -> None:
-        first = training and self._train_forwards == 0
+        first = training and self.it.forwards == 0
         if first and self.auto_fraction_at == self._iterations_done + 1 and self.state_bytes:
             self._recorder = auto_fraction.PhaseRecorder(self.streams.compute)
             self.streams.stats.stall_sink = self._recorder.stalls
@@ -275,19 +227,21 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
             # Evaluation forwards need the memory too, but do not count as microbatches.
             self._free_until(0)
             return
-        self._train_forwards += 1
-        self._position = 0
+        it = self.it
+        it.forwards += 1
+        it.position = 0
         if not first:
-            if self.phase is Phase.OFFLOADED and not self._window_open:
-                self._release_cache_at("forward")
+            if it.state is not IterationState.RELOAD_WINDOW:
+                it.move_to(IterationState.LATER_FORWARDS)
+                if self.phase is Phase.OFFLOADED:
+                    self._release_cache_at("forward")
             return
-        self._freed_at.clear()
-        self._freed_this_iter = 0
-        self._fwd_end_max = 0
-        self._sampling = bool(self._chunks(ChunkState.COPYING_OUT)) or self.peak_growth is None
-        self._a0 = self._allocated() if self._sampling else None
-        self._m0 = self._max_allocated() if self._sampling else 0
-        self._freed_at_first_hook = self.peak_growth is None
+        it.move_to(IterationState.FIRST_FORWARD)
+        # Sample how this forward's activations grow while there is something left to free (or
+        # nothing is known yet); the sample's `freed` counts what leaves from here on.
+        if self._chunks(ChunkState.COPYING_OUT) or self.peak_growth is None:
+            it.sample = ForwardSample(allocated_at_start=self._allocated(), max_allocated_at_start=self._max_allocated(),
+                                      freed_at_first_hook=self.peak_growth is None)
         self._trace("forward_begin")
 
     def _on_layer_forward(self, module, args) -> None:
@@ -297,11 +251,11 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         # until the forward's end, so the first offloaded iteration peaked far above the later
         # ones, and reserved memory kept that high-water mark (see [Note: forwards without
         # autograd] in docs/design.md).
-        if self._train_forwards == 0 or _in_backward():
+        if self.it.forwards == 0 or _in_backward():
             return
-        h = self._position
-        self._position += 1
-        if not self._sampling:
+        h = self.it.position
+        self.it.position += 1
+        if self.it.sample is None or not self.it.sample.active:
             return
         growth = self._growth()
         if h < len(self.profile):
@@ -317,53 +271,55 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
                 upcoming = self.profile[h + 1]
             else:
                 upcoming = self.profile_end if self.profile_end is not None else self.peak_growth
-            budget = max(0, self.peak_growth - upcoming - self.margin_bytes)
+            budget = max(0, self.peak_growth - upcoming - self.config.margin_bytes)
         self._free_until(budget, position=h)
 
     def _on_layer_output(self, module, args, output) -> None:
-        if self._train_forwards == 0 or not torch.is_grad_enabled() or self.phase is Phase.NO_STATE:
+        if self.it.forwards == 0 or not torch.is_grad_enabled() or self.phase is Phase.NO_STATE:
             return
         tensor = _first_grad_tensor(output)
         if tensor is not None:
             # The gradient of module h's output exists when every module after h finished its
             # backward. Unknown position inside a recomputation (see _on_layer_forward).
-            position = None if _in_backward() else self._position - 1
+            position = None if _in_backward() else self.it.position - 1
             tensor.register_hook(lambda grad, p=position: self._on_layer_backward(grad, p))
 
     @_inert_once_closed
     def forward_end(self) -> None:
-        if self._train_forwards == 0:
+        it = self.it
+        if it.forwards == 0:
             return
-        if self._sampling:
+        if it.sample is not None and it.sample.active:
             growth = self._growth()
             self.profile_end = growth if self.profile_end is None else max(self.profile_end, growth)
-            self._sampling = False
+            it.sample.active = False
         # The backward starts now and with it the activation peak: nothing may stay behind.
-        self._free_until(0, position=self._position)
+        self._free_until(0, position=it.position)
         if self.bytes_in(ChunkState.OFFLOADED):
-            self._fwd_end_max = max(self._fwd_end_max, self._allocated())
+            it.forward_end_max = max(it.forward_end_max, self._allocated())
         self._mark("fwd_end")
 
     @_inert_once_closed
     def backward_begin(self) -> None:
         self._mark("bwd_begin")
-        if self._train_forwards == 0:
+        it = self.it
+        if it.forwards == 0:
             return
-        self._backwards += 1
+        it.backwards += 1
         # The first backward of each iteration measures the workspace (`_fitting`); a later one
         # would count the same layers again. Its first interval includes the loss and output
         # layer's backward, which the reloads started just below must also leave room for.
-        self._workspace_mark = (self._allocated_total() - self._own_allocations
-                                if self._backwards == 1 and self.phase is not Phase.NO_STATE else None)
-        if self._window_open:
+        it.workspace_mark = (self._allocated_total() - self._own_allocations
+                             if it.backwards == 1 and self.phase is not Phase.NO_STATE else None)
+        if it.state is IterationState.RELOAD_WINDOW:
             return
         expected = self.expected_forwards() if self.expected_forwards is not None else None
-        if expected is not None and self._train_forwards >= expected:
+        if expected is not None and it.forwards >= expected:
             # No forward will follow: from here on the backwards only release activations.
-            self._window_open = True
+            it.move_to(IterationState.RELOAD_WINDOW)
             self._trace("reload_window")
             self._release_cache_at("reload_window")
-            self._reload_up_to(self._reload_ceiling(), position=self._position)
+            self._reload_up_to(self._reload_ceiling(), position=it.position)
 
     @_inert_once_closed
     def backward_end(self) -> None:
@@ -372,7 +328,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
 
     def _on_layer_backward(self, grad, position: Optional[int] = None):
         self._sample_workspace()
-        if self._window_open and self.bytes_in(ChunkState.OFFLOADED):
+        if self.it.state is IterationState.RELOAD_WINDOW and self.bytes_in(ChunkState.OFFLOADED):
             self._reload_up_to(self._reload_ceiling(), position=position)
         return None
 
@@ -381,10 +337,10 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         """All backwards are enqueued: reload whatever is still off (fallback trigger)."""
         self._trace("grads_finalizing")
         self._hide_host_copies()  # (a loop that saves and steps without a forward in between)
-        if self.chunked_step:
+        if self.config.chunked_step:
             # Only what the step's budget holds; the step loads the rest piece by piece.
-            self._step_budget_now = self._step_budget()
-            self._admit(self._chunks(ChunkState.OFFLOADED), self._step_budget_now)
+            self.it.step_budget = self._step_budget()
+            self._admit(self._chunks(ChunkState.OFFLOADED), self.it.step_budget)
         else:
             self._reload_up_to(None)
         self._update_peak_growth()
@@ -404,7 +360,8 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         """`off`'s inner step begins (whole or chunked)."""
         self._trace(f"step_begin:{off.name}")
         self.phase = Phase.STEPPING
-        self._stepped.add(id(off))
+        self.it.move_to(IterationState.STEPPING)
+        self.it.stepped.add(id(off))
 
     def _after_inner_step(self, off: OptimizerStateOffloader) -> None:
         if self._suspended:
@@ -447,7 +404,7 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         self._skipped_last_step = False
         self._release_cache_at("step_end")
         for off in self.offloaders:
-            if id(off) in self._stepped:
+            if id(off) in self.it.stepped:
                 self._copy_out_due.append(off)
             else:
                 # Skipped step (inf/nan, grad-norm threshold) or a stub: the reload may be in
@@ -456,16 +413,9 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
                 off.settle_unmodified()
                 self._skipped_last_step = self._skipped_last_step or bool(off.chunks)
                 self._trace(f"skipped:{off.name}")
-        self._stepped.clear()
-        self._stepped_out.clear()
-        self._step_order.clear()
-        self._step_budget_now = 0
+        self.it = IterationRecord()  # the next iteration starts here, in AFTER_STEP
         if self._step_level:
             self._last_step_level, self._step_level = self._step_level, 0
-        self._train_forwards = 0
-        self._backwards = 0
-        self._workspace_mark = None
-        self._window_open = False
         self._iterations_done += 1
         if self._recorder is not None:
             self._mark("step_end")

@@ -22,6 +22,7 @@ copies of what is off the GPU; the others get the state back first).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -32,9 +33,10 @@ from typing import Iterator, Optional
 import torch
 
 from . import compat, upstream_fixes, validation
-from .coordinator import DEFAULT_MARGIN_BYTES, OffloadCoordinator, OffloadNotRunningError
+from .config import DEFAULT_MARGIN_BYTES, OffloadConfig
+from .coordinator import OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
-from .offloader import DEFAULT_CHUNK_BYTES
+from .chunks import DEFAULT_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -288,36 +290,42 @@ def configure_allocator() -> Optional[str]:
     return note
 
 
-def attach(model, optimizer, args) -> OffloadCoordinator:
-    """Create the coordinator for this process and hook it to Megatron's optimizer and model."""
-    global coordinator
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
+# Overrides of OffloadConfig's diagnostic fields (keep_backward_workspace, backward_reloads,
+# host_waits_at_free, release_at), set before training by a benchmark's launcher to measure
+# alternatives side by side; empty in a user's run.
+DIAGNOSTICS: dict = {}
 
-    model_chunks = model if isinstance(model, (list, tuple)) else [model]
+
+def config_from_args(args) -> OffloadConfig:
+    """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
     auto = args.offload_state_fraction == AUTO
-    coord = OffloadCoordinator(
-        announce=lambda msg: _print(msg, all_ranks=True),
+    return dataclasses.replace(OffloadConfig(
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
         margin_bytes=args.offload_memory_margin_mb * 2**20,
-        expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
-        timing=not args.offload_no_timing,
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
         state_fraction=1.0 if auto else args.offload_state_fraction,
         auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
         chunked_step=args.offload_chunked_step,
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
         release_cache=args.offload_release_cached_memory,
-        # Where the release happens: an experiment knob for the benchmark (allocator.RELEASE_POINTS).
-        release_at=os.environ.get("MEGATRON_OFFLOAD_RELEASE_AT", "offloaded").split(","),
-        smallest_in_group=_smallest_in_data_parallel_group() if auto else None,
-        # Experiment knobs for the benchmark: reloads without the workspace rule (`@nows`); no
-        # reload inside the backward, all of it at finalize_model_grads (`@reloadlate`: no free
-        # block ever fits).
-        keep_backward_workspace=os.environ.get("MEGATRON_OFFLOAD_WORKSPACE", "1") != "0",
-        free_block_sizes=(lambda: []) if os.environ.get("MEGATRON_OFFLOAD_BACKWARD_RELOADS") == "0" else None,
-        host_waits_at_free=os.environ.get("MEGATRON_OFFLOAD_HOST_WAIT", "0") == "1",  # (`@hostwait`)
+        timing=not args.offload_no_timing,
         # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
         host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
+    ), **DIAGNOSTICS)
+
+
+def attach(model, optimizer, args) -> OffloadCoordinator:
+    """Create the coordinator for this process and hook it to Megatron's optimizer and model."""
+    global coordinator
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    model_chunks = model if isinstance(model, (list, tuple)) else [model]
+    config = config_from_args(args)
+    coord = OffloadCoordinator(
+        config,
+        announce=lambda msg: _print(msg, all_ranks=True),
+        expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
+        smallest_in_group=_smallest_in_data_parallel_group() if config.auto_fraction_at else None,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")

@@ -52,7 +52,7 @@ class MemoryPolicy:
                 break
             chosen.append((off, chunk))
             remaining -= chunk.gpu_nbytes
-            self._freed_at[id(chunk)] = position
+            self.it.freed_at[id(chunk)] = position
         # With `host_waits_at_free` the host waits for the copy-out of what it frees, as the
         # compute stream must. The idea: a forward that needs the memory before the D2H is done
         # stalls the GPU here; a host that does not stall with it runs ahead by the whole stall
@@ -61,12 +61,13 @@ class MemoryPolicy:
         # Megatron's DDP accumulates on a stream of its own) is only reusable once the GPU gets
         # there: allocations made that far ahead map new memory. With the wait the reserved peak
         # came out lower in some iterations and not in others, and every step took a little
-        # longer: not a clear gain, so off by default (MEGATRON_OFFLOAD_HOST_WAIT=1 turns it on).
+        # longer: not a clear gain, so off by default (OffloadConfig.host_waits_at_free; the benchmark's @hostwait).
         # See [Note: host waits at free] in docs/design.md.
         start = time.perf_counter()
-        freed = sum(off.free(chunks, host_waits=self.host_waits_at_free) for off, chunks in _by_offloader(chosen))
+        freed = sum(off.free(chunks, host_waits=self.config.host_waits_at_free) for off, chunks in _by_offloader(chosen))
         self.free_host_wait_ms += (time.perf_counter() - start) * 1e3
-        self._freed_this_iter += freed
+        if self.it.sample is not None:
+            self.it.sample.freed += freed
         if freed and not self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.OFFLOADED
             self._trace("offloaded")
@@ -89,8 +90,8 @@ class MemoryPolicy:
         """
         todo = self._chunks(ChunkState.OFFLOADED)
         if position is not None:
-            todo = [(off, c) for off, c in todo if _after(self._freed_at.get(id(c)), position)]
-            todo.sort(key=lambda pair: -_rank(self._freed_at.get(id(pair[1]))))
+            todo = [(off, c) for off, c in todo if _after(self.it.freed_at.get(id(c)), position)]
+            todo.sort(key=lambda pair: -_rank(self.it.freed_at.get(id(pair[1]))))
         if not todo:
             return 0
         allocated = self._allocated() if ceiling is not None else 0
@@ -160,31 +161,33 @@ class MemoryPolicy:
     def _sample_workspace(self) -> None:
         """At a backward hook of the iteration's first backward: what the layer just finished
         allocated (the allocator's cumulative counter, less the reloads' own chunks)."""
-        if self._workspace_mark is None or not self.keep_backward_workspace:
+        if self.it.workspace_mark is None or not self.config.keep_backward_workspace:
             return
         now = self._allocated_total() - self._own_allocations
-        self.backward_workspace = max(self.backward_workspace, now - self._workspace_mark)
-        self._workspace_mark = now
+        self.backward_workspace = max(self.backward_workspace, now - self.it.workspace_mark)
+        self.it.workspace_mark = now
 
     def _growth(self) -> int:
-        return self._allocated() - self._a0 + self._freed_this_iter
+        sample = self.it.sample
+        return self._allocated() - sample.allocated_at_start + sample.freed
 
     def _update_peak_growth(self) -> None:
         """P, the iteration's peak activation growth (module doc).
 
         Measured exactly once, in the first sampled iteration, from the allocator's high-water
         mark: that iteration freed everything at its first hook, so at the peak all state bytes
-        counted in `_freed_this_iter` were already off. The high-water mark only says something
+        counted in the sample's `freed` were already off. The high-water mark only says something
         when this iteration raised it (it also remembers start-up transients). Afterwards, and
         when the mark did not move, P only grows from sampled growth values, which are exact where
         they were taken and never overestimate.
         """
-        if self._a0 is None:
+        sample = self.it.sample
+        if sample is None:
             return
         sampled = max([self.profile_end or 0, *self.profile])
         peak = self._max_allocated()
-        if self.peak_growth is None and self._freed_at_first_hook and peak > self._m0:
-            self.peak_growth = peak - self._a0 + self._freed_this_iter
+        if self.peak_growth is None and sample.freed_at_first_hook and peak > sample.max_allocated_at_start:
+            self.peak_growth = peak - sample.allocated_at_start + sample.freed
         self.peak_growth = max(self.peak_growth or 0, sampled)
 
     def _reload_ceiling(self) -> int:
@@ -194,9 +197,9 @@ class MemoryPolicy:
         the step is the iteration's peak (full recompute), waiting for the forwards' level
         left the whole budget to load between the backward and the step, exposed as a wait
         before it. See [Note: chunked-step budget] in docs/design.md."""
-        if not self.chunked_step:
-            return self._fwd_end_max
-        return max(self._fwd_end_max, self._last_step_level)
+        if not self.config.chunked_step:
+            return self.it.forward_end_max
+        return max(self.it.forward_end_max, self._last_step_level)
 
 
 def _by_offloader(pairs):

@@ -49,7 +49,7 @@ class StateAccess:
         if on_host and not will_modify:
             kind = Access.HOST_READ
             off.expose_host_copies()
-        elif on_host and self.host_loads and off.host_writes_supported():
+        elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
             if off in self._copy_out_due:
                 self._copy_out_due.remove(off)  # (stepped, still resident: sent out just below)

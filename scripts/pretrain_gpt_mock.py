@@ -186,6 +186,24 @@ def memhist_microbatch_marker(microbatch, backward):
 MICROBATCH_MARKER_BASE = 100  # below every iteration marker (1000 + 4 * iteration + k); < 1 MiB: small pool
 
 
+# The benchmark's diagnostic modes (scripts/benchmark.py's '@' modifiers) as overrides of the
+# plugin's OffloadConfig; the plugin itself reads no such variable.
+DIAGNOSTIC_ENV = {
+    "MEGATRON_OFFLOAD_RELEASE_AT": ("release_at", lambda v: frozenset(v.split(","))),
+    "MEGATRON_OFFLOAD_WORKSPACE": ("keep_backward_workspace", lambda v: v != "0"),
+    "MEGATRON_OFFLOAD_BACKWARD_RELOADS": ("backward_reloads", lambda v: v != "0"),
+    "MEGATRON_OFFLOAD_HOST_WAIT": ("host_waits_at_free", lambda v: v == "1"),
+}
+
+
+def set_diagnostics_from_env():
+    chosen = {field: parse(os.environ[var]) for var, (field, parse) in DIAGNOSTIC_ENV.items() if os.environ.get(var)}
+    if chosen:  # (imports nothing of the plugin otherwise: isolating runs stay without it)
+        from megatron_offload import megatron_wiring
+
+        megatron_wiring.DIAGNOSTICS.update(chosen)
+
+
 class Recorder:
     def __init__(self, out_dir):
         self.out_dir = out_dir
@@ -200,6 +218,8 @@ class Recorder:
 
     def install(self):
         import megatron.training.training as training
+
+        set_diagnostics_from_env()
 
         train_step, train = training.train_step, training.train
 

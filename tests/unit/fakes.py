@@ -219,3 +219,20 @@ def assert_bitwise_equal(a, b):
 def storage_bytes(t):
     return t.untyped_storage().nbytes()
 
+
+
+def make_coordinator(device=None, **kw):
+    """An OffloadCoordinator from flat keywords: OffloadConfig's fields, AllocatorProbes' fields
+    (`memory_allocated` etc. by the coordinator's older names too), and the constructor's own."""
+    import dataclasses
+
+    from megatron_offload import OffloadCoordinator
+    from megatron_offload.config import AllocatorProbes, OffloadConfig
+
+    renamed = {"memory_allocated": "allocated", "max_memory_allocated": "max_allocated"}
+    kw = {renamed.get(k, k): v for k, v in kw.items()}
+    config_fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+    probe_fields = {f.name for f in dataclasses.fields(AllocatorProbes)}
+    config = OffloadConfig(**{k: kw.pop(k) for k in list(kw) if k in config_fields})
+    probes = AllocatorProbes(**{k: kw.pop(k) for k in list(kw) if k in probe_fields})
+    return OffloadCoordinator(config, device=device, probes=probes, **kw)

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from megatron_offload import OffloadCoordinator, auto_fraction, planner
+from megatron_offload import auto_fraction, planner
 from megatron_offload.offloader import ChunkState
 
-from fakes import FakeDistOpt, assert_bitwise_equal, make_grads, snapshot
+from fakes import FakeDistOpt, assert_bitwise_equal, make_coordinator, make_grads, snapshot
 
 GiB = 2**30
 
@@ -98,7 +98,7 @@ def test_coordinator_measures_the_calibration_iteration_then_repacks_with_the_ch
 
     monkeypatch.setattr(auto_fraction, "choose", fake_choose)
     ref, opt = FakeDistOpt(), FakeDistOpt()
-    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
                                memory_room=lambda: 12345.0)
     off = coord.add_optimizer(opt)
@@ -132,7 +132,7 @@ def test_calibration_moves_to_the_next_iteration_after_a_skipped_step(monkeypatc
     monkeypatch.setattr(auto_fraction, "choose",
                         lambda *a, **k: calls.append(1) or auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
     opt = FakeDistOpt()
-    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 1, auto_fraction_at=2,
                                memory_room=lambda: math.inf)
     coord.add_optimizer(opt)
@@ -157,7 +157,7 @@ def test_repack_releases_the_replaced_chunk_buffers_even_if_something_still_refe
     monkeypatch.setattr(auto_fraction, "choose",
                         lambda *a, **k: auto_fraction.Choice(0.5, 0.5, 0.0, 1.0, 0.0, 55, 55))
     ref, opt = FakeDistOpt(), FakeDistOpt()
-    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
                                memory_room=lambda: math.inf)
     off = coord.add_optimizer(opt)
@@ -203,7 +203,7 @@ def test_coordinator_asks_the_group_once_for_the_fraction_and_once_whether_to_ca
                         lambda *a, **k: auto_fraction.Choice(0.6, 0.6, 0.0, 1.0, 0.0, 55, 55))
     asked = []
     opt = FakeDistOpt()
-    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
                                memory_room=lambda: math.inf,
                                smallest_in_group=lambda x: asked.append(x) or (0.3 if x > 0 else x))
@@ -287,7 +287,7 @@ def _auto_run(monkeypatch, choices, steps, group=None):
 
     monkeypatch.setattr(auto_fraction, "choose", fake_choose)
     ref, opt = FakeDistOpt(), FakeDistOpt()
-    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
                                memory_room=lambda: 777.0, smallest_in_group=group)
     off = coord.add_optimizer(opt)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from megatron_offload import ChunkState, OffloadCoordinator
+from megatron_offload import ChunkState
 from megatron_offload.coordinator import Phase
 from megatron_offload.chunked_step import (
     complete_pieces,
@@ -16,7 +16,7 @@ from megatron_offload.chunked_step import (
     step_in_pieces,
 )
 
-from fakes import (FakeDistOpt, FakePrecisionAwareDistOpt, assert_bitwise_equal, make_grads, resident_snapshot,
+from fakes import (FakeDistOpt, FakePrecisionAwareDistOpt, make_coordinator, assert_bitwise_equal, make_grads, resident_snapshot,
                    snapshot, storage_bytes)
 
 
@@ -112,7 +112,7 @@ def test_pieces_by_last_chunk_step_the_packed_state_bit_identically():
     """Pieces built from the offloader's chunks (a parameter's tensors may straddle two chunks)
     cover every parameter once, and stepping them with their chunks resident is exact."""
     ref, opt = FakeDistOpt(), FakeDistOpt()
-    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=2048,
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=2048,
                                expected_forwards_per_iteration=lambda: 1)
     off = coord.add_optimizer(opt)
     coord.offload_existing_state()
@@ -276,7 +276,7 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
 
         def watched(o, k, original=original):
             original(o, k)
-            resident_in_step.append((coord._resident_bytes(), coord._step_budget_now))
+            resident_in_step.append((coord._resident_bytes(), coord.it.step_budget))
         setattr(coord, hook, watched)
 
     def watch(when):
@@ -366,9 +366,9 @@ def test_chunked_step_frees_a_chunk_only_one_piece_after_its_copy_out(budget_chu
     original_after, original_free = coord._after_piece, off.free
 
     def after_piece(o, k):
-        stepped.append(coord._step_order[id(o)][k] if k < len(coord._step_order[id(o)]) else None)
+        stepped.append(coord.it.step_order[id(o)][k] if k < len(coord.it.step_order[id(o)]) else None)
         original_after(o, k)
-        within.append(coord._resident_bytes() <= coord._step_budget_now)
+        within.append(coord._resident_bytes() <= coord.it.step_budget)
 
     def free(chunks, **kw):
         if coord.phase is Phase.STEPPING:

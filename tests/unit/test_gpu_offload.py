@@ -26,7 +26,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 
-from megatron_offload import ChunkState, OffloadCoordinator  # noqa: E402
+from fakes import make_coordinator  # noqa: E402
+from megatron_offload import ChunkState  # noqa: E402
 from megatron_offload.megatron_wiring import iter_distributed_optimizers  # noqa: E402
 
 VOCAB, SEQ, MBS = 4096, 256, 2
@@ -138,7 +139,7 @@ def digest(model, optimizer, coord=None):
 
 
 def attach(model, optimizer, delay_cycles=0, **kw):
-    coord = OffloadCoordinator(expected_forwards_per_iteration=lambda: 2, **kw)
+    coord = make_coordinator(expected_forwards_per_iteration=lambda: 2, **kw)
     for dist_opt in iter_distributed_optimizers(optimizer):
         coord.add_optimizer(dist_opt)
     coord.watch_model([model])

@@ -13,7 +13,7 @@ from megatron_offload import host_memory
 from megatron_offload.host_buffer import PinnedHostBuffer
 from megatron_offload.host_memory import GIB, HostMemoryError
 
-from fakes import FakeDistOpt
+from fakes import FakeDistOpt, make_coordinator
 
 
 def fake_machine(tmp_path, available_gib, cgroup=None, rss_gib=2.0):
@@ -97,15 +97,15 @@ def test_unpinned_buffers_are_not_hidden_from_children():
 def test_a_refused_pin_leaves_the_offloader_unattached(monkeypatch):
     """A refused pin raises out of the start-up offload, which detaches the coordinator (hooks
     removed, placeholders filled): the optimizer trains exactly as without offloading."""
-    from megatron_offload import OffloadCoordinator, offloader
+    from megatron_offload import packing
     from fakes import assert_bitwise_equal, make_grads, snapshot
 
     def refusing(nbytes, pin=True):
         raise HostMemoryError("no room")
 
     ref, opt = FakeDistOpt(), FakeDistOpt()
-    monkeypatch.setattr(offloader, "PinnedHostBuffer", refusing)
-    coord = OffloadCoordinator(device=torch.device("cpu"), chunk_bytes=4096,
+    monkeypatch.setattr(packing, "PinnedHostBuffer", refusing)
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 1)
     off = coord.add_optimizer(opt)
     with pytest.raises(HostMemoryError):

@@ -10,17 +10,18 @@ import torch
 
 from megatron_offload import (
     ChunkState,
-    OffloadCoordinator,
     Phase,
     UnsupportedOptimizerStateError,
     find_state_tensors,
 )
+from megatron_offload.iteration import IterationState
 from megatron_offload.chunks import TENSOR_ALIGNMENT
 
 from fakes import (
     FakeDistOpt,
     FakePrecisionAwareDistOpt,
     assert_bitwise_equal,
+    make_coordinator,
     make_grads,
     resident_snapshot,
     snapshot,
@@ -34,7 +35,7 @@ LAYERS = 4
 def make_coord(**kw):
     kw.setdefault("chunk_bytes", 4096)
     kw.setdefault("expected_forwards_per_iteration", lambda: 2)
-    return OffloadCoordinator(device=CPU, **kw)
+    return make_coordinator(device=CPU, **kw)
 
 
 def one_iteration(opt, coord, step, skip=False, microbatches=2, check=None):
@@ -168,9 +169,9 @@ def test_a_small_state_is_split_into_several_chunks(monkeypatch):
     """A state smaller than MIN_CHUNKS chunks still gets about MIN_CHUNKS of them: one chunk is
     what packing holds twice and the hole a freed chunk leaves, so it must stay small against the
     state (a one-chunk state doubled the start-up peak of the small PP2 runs)."""
-    from megatron_offload import offloader
+    from megatron_offload import packing
 
-    monkeypatch.setattr(offloader, "MIN_CHUNK_BYTES", 256)
+    monkeypatch.setattr(packing, "MIN_CHUNK_BYTES", 256)
     ref, opt = FakeDistOpt(), FakeDistOpt()
     coord = make_coord(chunk_bytes=2**30)  # far larger than the whole state
     off = coord.add_optimizer(opt)
@@ -179,10 +180,10 @@ def test_a_small_state_is_split_into_several_chunks(monkeypatch):
         one_iteration(opt, coord, step)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
     largest = max(st.nbytes for st in off.discovery.tensors)
-    assert len(off.chunks) >= offloader.MIN_CHUNKS // 2, off.chunks
-    assert all(c.nbytes <= max(-(-off.state_bytes // offloader.MIN_CHUNKS), largest) + TENSOR_ALIGNMENT
+    assert len(off.chunks) >= packing.MIN_CHUNKS // 2, off.chunks
+    assert all(c.nbytes <= max(-(-off.state_bytes // packing.MIN_CHUNKS), largest) + TENSOR_ALIGNMENT
                for c in off.chunks), off.chunks
-    monkeypatch.setattr(offloader, "MIN_CHUNK_BYTES", 2**30)  # the floor wins over the split
+    monkeypatch.setattr(packing, "MIN_CHUNK_BYTES", 2**30)  # the floor wins over the split
     off.make_resident(will_modify=True)
     coord._copy_out_due.clear()
     off.refresh()
@@ -708,7 +709,7 @@ def test_pipeline_schedule_opens_the_reload_window_only_after_the_last_forward()
             else:
                 coord.backward_begin()
                 remaining_forwards = order[i + 1:].count("F")
-                assert coord._window_open == (remaining_forwards == 0), (step, i)
+                assert (coord.it.state is IterationState.RELOAD_WINDOW) == (remaining_forwards == 0), (step, i)
                 if remaining_forwards:
                     assert coord.bytes_in(ChunkState.COPYING_IN) == 0
         coord.grads_finalizing()
@@ -724,7 +725,7 @@ def test_evaluation_forwards_do_not_count_as_microbatches():
     coord.offload_existing_state()
     coord.forward_begin(False)  # evaluation between steps frees, but is no microbatch
     coord.forward_end()
-    assert coord._train_forwards == 0
+    assert coord.it.forwards == 0
     assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
     one_iteration(opt, coord, 0, microbatches=1)
     assert coord.phase is Phase.FREEING
@@ -795,7 +796,7 @@ def test_reload_waits_until_the_backward_released_what_reused_the_chunk():
         moved = original(ceiling, position)
         after = {id(c) for _, c in coord._chunks(ChunkState.OFFLOADED)}
         for cid in before - after:
-            reloads.append((position, ceiling is None, coord._freed_at.get(cid)))
+            reloads.append((position, ceiling is None, coord.it.freed_at.get(cid)))
         return moved
 
     coord._reload_up_to = recording_reload
@@ -958,7 +959,7 @@ def test_cached_memory_released_once_per_iteration_after_the_state_left(release)
     ref, opt = FakeDistOpt(), FakeDistOpt()
     seen = []  # (training forwards so far, all state off) at each call
     coord = make_coord(release_cache=release, empty_cache=lambda: seen.append(
-        (coord._train_forwards, coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes)))
+        (coord.it.forwards, coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes)))
     coord.add_optimizer(opt)
     coord.offload_existing_state()
     coord.release_startup_state()
@@ -1377,3 +1378,50 @@ def test_sibling_accesses_each_send_their_state_out_again():
     coord.forward_end()
     for off in offs:
         assert all(c.state is ChunkState.OFFLOADED for c in off.chunks), (off.name, off.chunks)
+
+
+def test_the_iteration_moves_through_its_states_and_a_new_record_follows_each_step():
+    opt = FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    seen = []
+    for step in range(2):
+        record = coord.it
+        seen.append(record.state)
+        for mb in range(2):
+            coord.forward_begin(True)
+            seen.append(coord.it.state)
+            coord.forward_end()
+            coord.backward_begin()
+            seen.append(coord.it.state)
+        make_grads(opt.all_params(), step)
+        coord.grads_finalizing()
+        opt.step()
+        seen.append(coord.it.state)
+        coord.optimizer_step_done()
+        assert coord.it is not record and coord.it.forwards == 0 and not coord.it.stepped
+    S = IterationState
+    one = [S.FIRST_FORWARD, S.FIRST_FORWARD, S.LATER_FORWARDS, S.RELOAD_WINDOW, S.STEPPING]
+    assert seen == [S.STARTUP] + one + [S.AFTER_STEP] + one
+
+
+def test_hooks_out_of_order_raise_and_extra_forwards_keep_the_reload_window():
+    from megatron_offload.chunks import IllegalTransition
+
+    opt = FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    one_iteration(opt, coord, 0)
+    coord.forward_begin(True)
+    coord.forward_end()
+    coord.backward_begin()
+    coord.forward_begin(True)
+    coord.forward_end()
+    coord.backward_begin()
+    assert coord.it.state is IterationState.RELOAD_WINDOW
+    coord.forward_begin(True)  # a forward the schedule did not announce: the window stays open
+    assert coord.it.state is IterationState.RELOAD_WINDOW
+    coord._before_inner_step(off)
+    assert coord.it.state is IterationState.STEPPING
+    with pytest.raises(IllegalTransition, match="stepping -> first_forward|stepping -> later_forwards"):
+        coord.forward_begin(True)  # a forward inside the optimizer step

@@ -1,0 +1,63 @@
+"""What the coordinator is told: `OffloadConfig` (the user's choices, frozen) and `AllocatorProbes`
+(how it reads the device's memory; tests and CPU runs inject their own).
+
+Both are plain data with no Megatron import: any training loop builds them. Megatron's flags map
+onto `OffloadConfig` in `megatron_wiring.config_from_args`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, FrozenSet, List, Optional
+
+from .allocator import RELEASE_POINTS
+from .chunks import DEFAULT_CHUNK_BYTES
+
+DEFAULT_MARGIN_BYTES = 64 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """The offloading choices of one process; fixed for the run.
+
+    Values the run itself changes later (the automatic fraction's choice, its iteration) start
+    from here and live on the coordinator."""
+
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # size of the chunks the state is packed into
+    margin_bytes: int = DEFAULT_MARGIN_BYTES  # kept free below the forward's peak when freeing late
+    copy_piece_bytes: int = 0  # 0: each chunk's copy in one piece
+    state_fraction: float = 1.0  # share of the state that leaves the GPU
+    auto_fraction_at: Optional[int] = None  # `auto`: the iteration measured to choose the fraction
+    chunked_step: bool = False  # step piece by piece, its resident state bounded
+    step_budget_bytes: int = 0  # the chunked step's bound (0: chosen at each step)
+    release_cache: bool = False  # hand cached free memory back to the driver once per iteration
+    release_at: FrozenSet[str] = frozenset({"offloaded"})  # where (allocator.RELEASE_POINTS)
+    timing: bool = True  # CUDA events around the copies, for the per-iteration log
+    host_loads: bool = True  # checkpoint loads may write into the host copies
+    # Diagnostic switches (the benchmark sets them to measure alternatives; defaults are the product):
+    keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
+    backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)
+    host_waits_at_free: bool = False  # the forward's frees also block the host
+
+    def __post_init__(self):
+        object.__setattr__(self, "release_at", frozenset(self.release_at))
+        unknown = self.release_at - set(RELEASE_POINTS)
+        if unknown:
+            raise ValueError(f"unknown release point(s) {sorted(unknown)}; known: {RELEASE_POINTS}")
+        if not 0.0 <= self.state_fraction <= 1.0:
+            raise ValueError(f"state_fraction must be within [0, 1], got {self.state_fraction}")
+        if self.chunk_bytes <= 0 or self.margin_bytes < 0 or self.copy_piece_bytes < 0 or self.step_budget_bytes < 0:
+            raise ValueError(f"sizes must be positive (chunk) or non-negative: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocatorProbes:
+    """Readers of the device's memory. None: the CUDA caching allocator's own (allocator.py);
+    on a CPU device the readers that make sense there."""
+
+    allocated: Optional[Callable[[], int]] = None  # bytes allocated now
+    max_allocated: Optional[Callable[[], int]] = None  # high-water mark of allocated bytes
+    allocated_total: Optional[Callable[[], int]] = None  # bytes ever allocated (cumulative)
+    free_block_sizes: Optional[Callable[[], List[int]]] = None  # the allocator's free blocks
+    memory_room: Optional[Callable[[], float]] = None  # bytes a larger resident share could use
+    empty_cache: Optional[Callable[[], None]] = None  # hand cached free memory back

@@ -1,0 +1,116 @@
+"""The checkpoint host-copy protocol of `OptimizerStateOffloader` (a mixin over its state): readers
+and writers outside the step use the pinned host copies of offloaded chunks in place of the freed
+GPU storage (exposed), and the offloader checks afterwards whether the state objects are still the
+ones it packed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunks import ChunkState
+from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
+
+class HostCopies:
+    """Readers and writers on the host copies of offloaded chunks (module docstring)."""
+
+    def expose_host_copies(self) -> int:
+        """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
+        at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
+        checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
+        until the next forward (`hide_host_copies`) or reload (`start_copy_in`), so a save that
+        reads them after the reader returned (dist-checkpointing writes after
+        `sharded_state_dict`) still finds them. Returns the number of chunks exposed."""
+        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host]
+        if not chunks:
+            return 0
+        if self.device.type == "cuda":
+            # Why: the host is about to read the copies itself. The compute stream waited for
+            # them before the chunks were freed; the host never did.
+            self.streams.d2h.synchronize()
+        for chunk in chunks:
+            # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
+            # storage is re-allocated: keep them for `hide_host_copies`.
+            chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
+            self._point_at(chunk, chunk.host)
+            chunk.on_host = True
+        return len(chunks)
+
+    def host_writes_supported(self) -> bool:
+        """Whether a writer of the whole state (a torch_dist checkpoint load) can run
+        on the host copies (`expose_host_copies`) and leave the tensors it wrote where they are.
+
+        That holds where the writer writes into the state tensors rather than replacing them, and
+        keeps them where they are: torch Adam/AdamW (the optimizer megatron-core uses without TE
+        or Apex), whose `load_state_dict` moves each state tensor to its parameter's device and
+        dtype, i.e. keeps ours if the parameter is a master that is on the host too. So: every
+        offloaded moment belongs to an offloaded master (not to an fp32 model parameter, which
+        stays on the GPU), nothing is kept resident by `fraction`, no fused/capturable Adam (their
+        `step` follows the parameter's device). TE FusedAdam rebuilds its state on load: no."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        if inner is None or type(inner) not in (torch.optim.Adam, torch.optim.AdamW):
+            return False
+        if self.kept or not self.chunks:
+            return False
+        if any(group.get("fused") or group.get("capturable") for group in inner.param_groups):
+            return False
+        masters = master_ids(self.dist_opt)  # (all offloaded: nothing is kept)
+        return all(id(st.param) in masters for c in self.chunks for st in c.tensors)
+
+    def send_out_now(self) -> None:
+        """Every chunk OFFLOADED with a current host copy, without allocating on the GPU: the
+        chunks still resident are copied out if their host copy is stale and freed, those coming
+        back (their host copy is what they load) are freed once their H2D is done. The host does
+        not wait here; `expose_host_copies` does."""
+        self.settle_unmodified()  # COPYING_IN / RESIDENT -> COPYING_OUT, D2H where stale
+        self.free(self.chunks_in(ChunkState.COPYING_OUT))
+
+    def accept_host_writes(self) -> None:
+        """A writer has run on the exposed host copies (`host_writes_supported`): what it wrote
+        is in the pinned buffer, which is now the state. The chunks stay OFFLOADED; their host
+        copies are current, so the next reload brings the written values and no D2H is owed."""
+        if not self._state_tensors_unchanged():
+            raise RuntimeError(
+                f"megatron-offload: a writer of {self.name}'s optimizer state replaced state tensors "
+                "while they were on the host; the state cannot be trusted. Please report this with "
+                "your optimizer configuration.")
+        for chunk in self.chunks:
+            assert chunk.state is ChunkState.OFFLOADED and chunk.on_host, chunk
+            chunk.host_valid = True
+        self._signature = self.state_signature()
+
+    def _state_tensors_unchanged(self) -> bool:
+        """Whether the inner optimizer holds exactly the state tensors we packed (same objects)."""
+        inner = self.dist_opt.optimizer
+        masters = master_ids(self.dist_opt)
+        current = set()
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if id(p) in masters:
+                    current.add(id(p))
+                for key, value in inner.state.get(p, {}).items():
+                    if key in OFFLOADED_STATE_KEYS and isinstance(value, torch.Tensor):
+                        current.add(id(value))
+        return current == {id(st.tensor) for c in self.chunks for st in c.tensors}
+
+    def hide_host_copies(self) -> int:
+        """Undo `expose_host_copies` for chunks still OFFLOADED: point their tensors back at the
+        (freed) GPU buffer. Called once the reader is certainly done (the next forward), because
+        code outside the step treats the state as GPU tensors even while its storage is freed:
+        `DistributedOptimizer.step` assigns each master its `.grad` (a CUDA tensor) before the
+        inner step reloads it, which fails on a CPU view (the first step after a save, with a
+        chunked step whose budget leaves chunks off; see [Note: host views and .grad] in
+        docs/design.md). Returns the number of chunks hidden."""
+        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if c.on_host]
+        for chunk in chunks:
+            for st, view in zip(chunk.tensors, chunk.gpu_views):
+                st.tensor.data = view
+            chunk.gpu_views = None
+            chunk.on_host = False
+        return len(chunks)
+
+    @staticmethod
+    def _place(st: StateTensor, tensor: torch.Tensor) -> None:
+        """Replace a placeholder by `tensor` in its state dict (nothing else refers to it)."""
+        st.owner[st.key] = tensor
+        st.tensor, st.owner, st.key = tensor, None, None
