@@ -2,6 +2,7 @@
 
 Public API:
   OffloadCoordinator      drives every offloader of a process through a training iteration
+  OffloadConfig           its configuration (frozen); AllocatorProbes: its memory readers
   OptimizerStateOffloader moves one DistributedOptimizer's moments and fp32 masters
   find_state_tensors      what would be offloaded (masters, moments) for a DistributedOptimizer
   validate / problems     the argument checks behind --offload-optimizer-states
@@ -10,7 +11,9 @@ Public API:
 Command line: `torchrun ... -m megatron_offload pretrain_gpt.py <megatron args> --offload-optimizer-states`.
 """
 
-from .coordinator import OffloadCoordinator, Phase
+from .config import AllocatorProbes, OffloadConfig
+from .coordinator import OffloadCoordinator, OffloadNotRunningError, Phase
+from .iteration import IterationState
 from .discovery import UnsupportedOptimizerStateError, find_state_tensors
 from .offloader import ChunkState, OptimizerStateOffloader
 from .validation import OffloadArgumentError, problems, validate
@@ -26,9 +29,13 @@ def install() -> None:
 
 
 __all__ = [
+    "AllocatorProbes",
     "ChunkState",
+    "IterationState",
     "OffloadArgumentError",
+    "OffloadConfig",
     "OffloadCoordinator",
+    "OffloadNotRunningError",
     "OptimizerStateOffloader",
     "Phase",
     "UnsupportedOptimizerStateError",

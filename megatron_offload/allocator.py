@@ -1,10 +1,12 @@
-"""The caching allocator as the coordinator sees it: readers of its statistics and free blocks, and
-the optional release of cached free memory (`--offload-release-cached-memory`). Methods of
-`OffloadCoordinator`; the attributes they use are set in its `__init__`.
+"""The caching allocator as the plugin sees it: readers of its statistics and free blocks, the
+optional release of cached free memory (`--offload-release-cached-memory`; methods of
+`OffloadCoordinator` over the attributes set in its `__init__`), and the process's allocator
+setting (expandable segments, chosen before anything is allocated).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, List, Optional
 
@@ -102,3 +104,59 @@ def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:
         return lambda: torch.cuda.memory_stats(index)["allocated_bytes.all.allocated"]
     public = torch.cuda.memory_allocated if which == "current" else torch.cuda.max_memory_allocated
     return lambda: public(index)
+
+
+# ----------------------------------------------------------------------------------------------
+# The process's allocator setting (chosen when Megatron validates its arguments)
+# ----------------------------------------------------------------------------------------------
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def allocator_choice(alloc_conf: Optional[str]):
+    """(enable, note): whether to turn on expandable segments, and what to tell the user.
+
+    With PyTorch's default caching allocator a good part of the offloaded memory stays *reserved*:
+    every freed chunk is a segment of its own, the activations that fill it leave holes, and a
+    chunk coming back finds no block of its size and gets a new segment (by default only part of
+    the offloaded bytes comes off peak reserved memory, with expandable segments most of it; the
+    run without offloading reserves the same with both; see [Note: expandable segments] in
+    docs/design.md). So the plugin turns them on when the user has not configured the allocator,
+    and leaves any explicit setting alone.
+    """
+    conf = (alloc_conf or "").replace(" ", "").lower()
+    if not conf:
+        return True, ("turned on PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF was unset), so "
+                      "that offloaded memory comes off *reserved* memory; set PYTORCH_CUDA_ALLOC_CONF "
+                      "yourself (e.g. expandable_segments:False) to keep your own allocator settings.")
+    if "expandable_segments:true" in conf:
+        return False, None
+    return False, (f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf!r} does not set {EXPANDABLE_SEGMENTS}: with "
+                   "PyTorch's default caching allocator part of the offloaded memory stays reserved "
+                   f"(fragmentation). Add {EXPANDABLE_SEGMENTS} to get most of it back.")
+
+
+def _alloc_conf_from_env() -> Optional[str]:
+    # PYTORCH_ALLOC_CONF is the newer name of the same setting.
+    return ",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF"))))
+
+
+def configure_allocator() -> Optional[str]:
+    """Apply `allocator_choice` to this process. Returns the note for the log.
+
+    Runs when Megatron validates the arguments, before it allocates anything on the GPU. The variable
+    covers an allocator not initialised yet and any child process; `_set_allocator_settings` one
+    that is (e.g. a script that set a memory fraction first): segments created from then on are
+    expandable."""
+    enable, note = allocator_choice(_alloc_conf_from_env())
+    if enable:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+        # The accelerator-generic setter where this torch has it (torch.cuda's own name for it
+        # warns that it is deprecated there), else the older one.
+        setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+                  or getattr(torch.cuda.memory, "_set_allocator_settings", None))
+        if setter is not None:
+            try:
+                setter(EXPANDABLE_SEGMENTS)
+            except RuntimeError as err:  # e.g. a backend without expandable segments
+                note = f"could not turn on expandable segments ({err}); set PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS}"
+    return note

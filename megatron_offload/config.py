@@ -2,7 +2,7 @@
 (how it reads the device's memory; tests and CPU runs inject their own).
 
 Both are plain data with no Megatron import: any training loop builds them. Megatron's flags map
-onto `OffloadConfig` in `megatron_wiring.config_from_args`.
+onto `OffloadConfig` in `megatron_args.config_from_args`.
 """
 
 from __future__ import annotations

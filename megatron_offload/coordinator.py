@@ -10,9 +10,12 @@ device through one training iteration:
          ──▶ finalize_model_grads: reload whatever is left (fallback trigger)
          ──▶ step: the compute stream waits for the reload (no host sync), Adam runs on the GPU.
 
-The concerns live in their own modules, each a mixin of this class over the state set up in
+It is told what to do by an `OffloadConfig` (config.py) and knows where the loop is by its
+`IterationRecord` (iteration.py: a checked `IterationState`, rebuilt after every step). The
+concerns live in their own modules, each a mixin of this class over the state set up in
 `__init__` (imports go one way: they never import this module):
 
+    registration      offloaders for the optimizers, hooks on the model's layers
     memory_policy     the first forward's free budget and the last backward's reloads
     allocator         allocator readers and the optional release of cached memory
     chunked_schedule  which chunks load, step and leave during a chunked step
@@ -28,11 +31,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
-from . import auto_fraction, chunked_step
+from . import auto_fraction
 from .allocator import CacheRelease, _allocator_stat, _free_block_reader
 from .calibration import Calibration
 from .chunked_schedule import ChunkedStepSchedule
@@ -42,6 +45,7 @@ from .ledger import Ledger
 from .memory_policy import MemoryPolicy
 from .offloader import ChunkState, OptimizerStateOffloader
 from .phase import Phase
+from .registration import Registration
 from .state_access import StateAccess
 from .streams import CopyStreams
 
@@ -61,7 +65,7 @@ def _inert_once_closed(method):
     return wrapper
 
 
-class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess, Ledger):
+class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess, Ledger):
     """Drives every offloader of one process through the training iteration (module docstring)."""
 
     def __init__(
@@ -141,57 +145,6 @@ class OffloadCoordinator(MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibr
         self.reloads_deferred_for_fit = 0
         self.cache_releases = 0
         self.cache_release_ms = 0.0
-
-    # ------------------------------------------------------------------------------------------
-    # Registration
-    # ------------------------------------------------------------------------------------------
-    def add_optimizer(self, dist_opt, name: str = "optimizer") -> OptimizerStateOffloader:
-        """Offload one DistributedOptimizer (a ChainedOptimizer: add each one inside it)."""
-        if hasattr(dist_opt, "chained_optimizers"):
-            raise TypeError(
-                "megatron-offload: add_optimizer takes one DistributedOptimizer; for a ChainedOptimizer add "
-                "each of its DistributedOptimizers (megatron_offload.megatron_wiring.iter_distributed_optimizers)")
-        if not (getattr(dist_opt, "is_stub_optimizer", False) or (
-                hasattr(dist_opt, "optimizer") and hasattr(dist_opt, "shard_fp32_from_float16_groups"))):
-            raise TypeError(
-                f"megatron-offload: add_optimizer needs a megatron-core DistributedOptimizer (the sharded "
-                f"state it moves: inner optimizer, fp32 master shards), got a {type(dist_opt).__name__}; "
-                "build the optimizer with use_distributed_optimizer=True (--use-distributed-optimizer)")
-        off = OptimizerStateOffloader(dist_opt, self.streams, self.config.chunk_bytes, name=name,
-                                      copy_piece_bytes=self.config.copy_piece_bytes, fraction=self.state_fraction,
-                                      by_parameter=self.config.chunked_step)
-        self.offloaders.append(off)
-        inner = getattr(dist_opt, "optimizer", None)
-        if inner is None or getattr(dist_opt, "is_stub_optimizer", False):
-            return off
-        if self.config.chunked_step:
-            uninstall = chunked_step.install_piecewise_step(
-                dist_opt,
-                make_pieces=lambda off=off: self._begin_chunked_step(off),
-                before_piece=lambda k, off=off: self._before_piece(off, k),
-                after_piece=lambda k, off=off: self._after_piece(off, k),
-                enabled=lambda: not self._suspended,
-                after_step=lambda off=off: self._after_inner_step(off),
-            )
-            self._hook_handles.append(_Undo(uninstall))
-        else:
-            self._hook_handles.append(
-                inner.register_step_pre_hook(lambda opt, a, k, off=off: self._before_inner_step(off))
-            )
-            self._hook_handles.append(
-                inner.register_step_post_hook(lambda opt, a, k, off=off: self._after_inner_step(off))
-            )
-        return off
-
-    def watch_model(self, model_chunks: Iterable[torch.nn.Module]) -> int:
-        """Hook the layers whose forward/backward pace the freeing and reloading. Returns count."""
-        count = 0
-        for chunk in model_chunks:
-            for module in pacing_modules(chunk):
-                self._hook_handles.append(module.register_forward_pre_hook(self._on_layer_forward))
-                self._hook_handles.append(module.register_forward_hook(self._on_layer_output))
-                count += 1
-        return count
 
     def _trace(self, what: str) -> None:
         self.events.append(what)
@@ -440,11 +393,6 @@ class OffloadNotRunningError(RuntimeError):
     """Offloading was asked for but the training loop never let it run."""
 
 
-class _Undo:
-    """A removable handle for something that is undone by a function."""
-
-    def __init__(self, undo: Callable[[], None]):
-        self.remove = undo
 
 
 def _in_backward() -> bool:
@@ -452,20 +400,6 @@ def _in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-def pacing_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The modules whose forward pre-hooks pace freeing: every element of a `layers` ModuleList
-    (Megatron's TransformerBlock / MambaStack), then the output layer. Falls back to the model's
-    direct children when it has no such list."""
-    found: List[torch.nn.Module] = []
-    output_layers: List[torch.nn.Module] = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and name.split(".")[-1] == "layers":
-            found.extend(module)
-        elif name.split(".")[-1] == "output_layer":
-            output_layers.append(module)
-    if not found:
-        found = list(model.children())
-    return found + output_layers
 
 
 def _first_grad_tensor(output) -> Optional[torch.Tensor]:

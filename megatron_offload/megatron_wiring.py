@@ -22,7 +22,6 @@ copies of what is off the GPU; the others get the state back first).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -32,11 +31,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from . import compat, upstream_fixes, validation
-from .config import DEFAULT_MARGIN_BYTES, OffloadConfig
+from . import compat, megatron_args, upstream_fixes, validation
+from .allocator import configure_allocator
 from .coordinator import OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
-from .chunks import DEFAULT_CHUNK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +59,6 @@ STATE_WRITERS = (
 # work on the host too, not run on a GPU that way yet), the legacy per-file load and Megatron's
 # own CPU round trip (RL) get the state back first.
 HOST_ACCESS_OK = ("sharded_state_dict", "load_state_dict")
-
-# `--offload-state-fraction auto` measures this iteration: the first has start-up costs, the
-# second is the first with the coordinator's memory profile.
-AUTO = "auto"
-AUTO_FRACTION_ITERATION = 3
 
 _installed = False
 _stepped_aside = False
@@ -94,103 +87,14 @@ def add_arguments(parser):
             "megatron-offload steps aside and leaves the flag to Megatron's own implementation."
         )
         return parser
-    group = parser.add_argument_group(title="megatron-offload")
-    group.add_argument(
-        "--offload-optimizer-states",
-        action="store_true",
-        help="Move the DistributedOptimizer's Adam moments and fp32 master weights to pinned CPU "
-        "memory between steps and bring them back, overlapped with compute, before the next "
-        "step. The Adam step stays on the GPU. (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-chunk-size-mb",
-        type=int,
-        default=DEFAULT_CHUNK_BYTES // 2**20,
-        help="Granularity (MiB) at which offloaded state is freed during the forward and "
-        "reloaded during the last backward. (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-memory-margin-mb",
-        type=int,
-        default=DEFAULT_MARGIN_BYTES // 2**20,
-        help="Safety margin (MiB) kept below the measured activation peak when deciding how "
-        "late state may stay on the GPU. (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-state-fraction",
-        type=_fraction_or_auto,
-        default=1.0,
-        help="Share (0 < f <= 1) of each DistributedOptimizer's state bytes to offload; the rest "
-        "stays on the GPU. 'auto': offload everything for the first iterations, measure one of them "
-        "(phase times, activation memory, copy bandwidth), then offload only what moves without "
-        "delaying the step, but at least what this GPU's memory requires. `python -m "
-        "megatron_offload.planner` computes the same from a profile. (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-chunked-step",
-        action="store_true",
-        help="Run the optimizer step piece by piece (one chunk of state at a time: reload, "
-        "Adam, copy out, overlapped), so that the step never needs the whole state on the GPU. "
-        "For runs whose memory peak is the optimizer step (full recompute, late pipeline "
-        "stages, small activations). (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-step-budget-mb",
-        type=int,
-        default=0,
-        help="With --offload-chunked-step: at most this many MiB of optimizer state on the GPU "
-        "during the step (at least one chunk). 0: what the activations of the forward left "
-        "room for, at least three chunks. (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-release-cached-memory",
-        action="store_true",
-        help="Once per iteration, when the offloaded state has left the GPU, return PyTorch's "
-        "cached free memory to the device (torch.cuda.empty_cache). Experimental: it can stop "
-        "reserved memory creeping up over iterations, at some time per step, but it can also raise "
-        "the peak (each iteration maps its memory anew). (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-copy-piece-mb",
-        type=int,
-        default=0,
-        help="Split each chunk's D2H/H2D copy into pieces of this many MiB (0: one copy per "
-        "chunk). (megatron-offload)",
-    )
-    group.add_argument(
-        "--offload-no-timing",
-        action="store_true",
-        help="Do not record CUDA events around copies (no D2H/H2D timings in the log). "
-        "(megatron-offload)",
-    )
-    return parser
-
-
-def _fraction_or_auto(value: str):
-    return AUTO if value == AUTO else float(value)
+    return megatron_args.add_flags(parser)
 
 
 def validate_args(args) -> None:
     if _stepped_aside:
         return
     validation.validate(args)
-    if getattr(args, "offload_optimizer_states", False):
-        if args.offload_chunk_size_mb <= 0:
-            raise validation.OffloadArgumentError("--offload-chunk-size-mb must be positive")
-        if args.offload_memory_margin_mb < 0:
-            raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
-        if args.offload_step_budget_mb < 0:
-            raise validation.OffloadArgumentError("--offload-step-budget-mb must be >= 0 (0: automatic)")
-        if args.offload_step_budget_mb and not args.offload_chunked_step:
-            raise validation.OffloadArgumentError(
-                "--offload-step-budget-mb bounds the state resident during a chunked step: add "
-                "--offload-chunked-step or drop it")
-        if args.offload_copy_piece_mb < 0:
-            raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
-        if args.offload_state_fraction != AUTO and not 0.0 < args.offload_state_fraction <= 1.0:
-            raise validation.OffloadArgumentError(
-                "--offload-state-fraction must be in (0, 1] or 'auto': the share of the optimizer "
-                "state to offload (drop --offload-optimizer-states to offload nothing)")
+    megatron_args.check_values(args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,82 +140,7 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
     wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
 
 
-EXPANDABLE_SEGMENTS = "expandable_segments:True"
 _allocator_note: Optional[str] = None  # what validate_args decided about the allocator, printed at attach
-
-
-def allocator_choice(alloc_conf: Optional[str]):
-    """(enable, note): whether to turn on expandable segments, and what to tell the user.
-
-    With PyTorch's default caching allocator a good part of the offloaded memory stays *reserved*:
-    every freed chunk is a segment of its own, the activations that fill it leave holes, and a
-    chunk coming back finds no block of its size and gets a new segment (by default only part of
-    the offloaded bytes comes off peak reserved memory, with expandable segments most of it; the
-    run without offloading reserves the same with both; see [Note: expandable segments] in
-    docs/design.md). So the plugin turns them on when the user has not configured the allocator,
-    and leaves any explicit setting alone.
-    """
-    conf = (alloc_conf or "").replace(" ", "").lower()
-    if not conf:
-        return True, ("turned on PyTorch's expandable segments (PYTORCH_CUDA_ALLOC_CONF was unset), so "
-                      "that offloaded memory comes off *reserved* memory; set PYTORCH_CUDA_ALLOC_CONF "
-                      "yourself (e.g. expandable_segments:False) to keep your own allocator settings.")
-    if "expandable_segments:true" in conf:
-        return False, None
-    return False, (f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf!r} does not set {EXPANDABLE_SEGMENTS}: with "
-                   "PyTorch's default caching allocator part of the offloaded memory stays reserved "
-                   f"(fragmentation). Add {EXPANDABLE_SEGMENTS} to get most of it back.")
-
-
-def _alloc_conf_from_env() -> Optional[str]:
-    # PYTORCH_ALLOC_CONF is the newer name of the same setting.
-    return ",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.environ.get("PYTORCH_ALLOC_CONF"))))
-
-
-def configure_allocator() -> Optional[str]:
-    """Apply `allocator_choice` to this process. Returns the note for the log.
-
-    Runs when Megatron validates the arguments, before it allocates anything on the GPU. The variable
-    covers an allocator not initialised yet and any child process; `_set_allocator_settings` one
-    that is (e.g. a script that set a memory fraction first): segments created from then on are
-    expandable."""
-    enable, note = allocator_choice(_alloc_conf_from_env())
-    if enable:
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
-        # The accelerator-generic setter where this torch has it (torch.cuda's own name for it
-        # warns that it is deprecated there), else the older one.
-        setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-                  or getattr(torch.cuda.memory, "_set_allocator_settings", None))
-        if setter is not None:
-            try:
-                setter(EXPANDABLE_SEGMENTS)
-            except RuntimeError as err:  # e.g. a backend without expandable segments
-                note = f"could not turn on expandable segments ({err}); set PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS}"
-    return note
-
-
-# Overrides of OffloadConfig's diagnostic fields (keep_backward_workspace, backward_reloads,
-# host_waits_at_free, release_at), set before training by a benchmark's launcher to measure
-# alternatives side by side; empty in a user's run.
-DIAGNOSTICS: dict = {}
-
-
-def config_from_args(args) -> OffloadConfig:
-    """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
-    auto = args.offload_state_fraction == AUTO
-    return dataclasses.replace(OffloadConfig(
-        chunk_bytes=args.offload_chunk_size_mb * 2**20,
-        margin_bytes=args.offload_memory_margin_mb * 2**20,
-        copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
-        state_fraction=1.0 if auto else args.offload_state_fraction,
-        auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
-        chunked_step=args.offload_chunked_step,
-        step_budget_bytes=args.offload_step_budget_mb * 2**20,
-        release_cache=args.offload_release_cached_memory,
-        timing=not args.offload_no_timing,
-        # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
-        host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
-    ), **DIAGNOSTICS)
 
 
 def attach(model, optimizer, args) -> OffloadCoordinator:
@@ -320,7 +149,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     model_chunks = model if isinstance(model, (list, tuple)) else [model]
-    config = config_from_args(args)
+    config = megatron_args.config_from_args(args)
     coord = OffloadCoordinator(
         config,
         announce=lambda msg: _print(msg, all_ranks=True),

@@ -199,9 +199,9 @@ DIAGNOSTIC_ENV = {
 def set_diagnostics_from_env():
     chosen = {field: parse(os.environ[var]) for var, (field, parse) in DIAGNOSTIC_ENV.items() if os.environ.get(var)}
     if chosen:  # (imports nothing of the plugin otherwise: isolating runs stay without it)
-        from megatron_offload import megatron_wiring
+        from megatron_offload import megatron_args
 
-        megatron_wiring.DIAGNOSTICS.update(chosen)
+        megatron_args.DIAGNOSTICS.update(chosen)
 
 
 class Recorder:

@@ -13,7 +13,7 @@ import pytest
 import megatron.training.arguments  # noqa: E402,F401  (a missing or broken megatron fails the suite, never skips it)
 
 import megatron_offload  # noqa: E402
-from megatron_offload import OffloadArgumentError, megatron_wiring  # noqa: E402
+from megatron_offload import OffloadArgumentError, allocator, megatron_wiring  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATCH = os.path.join(REPO, "patches", "megatron-core-0.19-training-init.patch")
@@ -182,7 +182,7 @@ def test_source_patch_applies_to_megatron_core_and_activates_the_plugin(tmp_path
     ("max_split_size_mb:512, expandable_segments:true", False, False),
 ])
 def test_allocator_choice_enables_expandable_segments_only_when_unconfigured(conf, enable, noted):
-    turn_on, note = megatron_wiring.allocator_choice(conf)
+    turn_on, note = allocator.allocator_choice(conf)
     assert turn_on == enable
     assert (note is not None) == noted
     if noted:
@@ -371,7 +371,7 @@ def test_turning_on_expandable_segments_warns_nothing_of_ours(monkeypatch):
         monkeypatch.delenv(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        note = megatron_wiring.configure_allocator()
+        note = allocator.configure_allocator()
     assert "turned on PyTorch's expandable segments" in note
 
 
@@ -390,3 +390,24 @@ def test_a_megatron_script_help_works_on_megatron_core_0_19(tmp_path):
                          text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--offload-chunk-size-mb" in out.stdout
+
+
+def test_flags_become_a_frozen_config_and_the_product_reads_no_diagnostic_variable(monkeypatch):
+    import argparse
+    import dataclasses
+
+    from megatron_offload import OffloadConfig, megatron_args
+
+    args = megatron_args.add_flags(argparse.ArgumentParser()).parse_args(
+        ["--offload-optimizer-states", "--offload-state-fraction", "auto", "--offload-chunk-size-mb", "32"])
+    for var in ("MEGATRON_OFFLOAD_HOST_WAIT", "MEGATRON_OFFLOAD_WORKSPACE", "MEGATRON_OFFLOAD_RELEASE_AT",
+                "MEGATRON_OFFLOAD_BACKWARD_RELOADS"):
+        monkeypatch.setenv(var, "1" if var.endswith("WAIT") else "0")
+    config = megatron_args.config_from_args(args)
+    assert config == OffloadConfig(chunk_bytes=32 * 2**20, auto_fraction_at=megatron_args.AUTO_FRACTION_ITERATION)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.chunk_bytes = 1
+    monkeypatch.setitem(megatron_args.DIAGNOSTICS, "host_waits_at_free", True)  # what the benchmark sets
+    assert megatron_args.config_from_args(args).host_waits_at_free
+    with pytest.raises(ValueError, match="release point"):
+        OffloadConfig(release_at={"sometime"})

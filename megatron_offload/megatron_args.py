@@ -1,0 +1,140 @@
+"""The plugin's Megatron flags: their definitions (`--offload-*`), the checks of their values, and
+their translation into an `OffloadConfig`. Combinations with Megatron's own flags are judged in
+validation.py; megatron_wiring.py registers these with Megatron's parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import validation
+from .chunks import DEFAULT_CHUNK_BYTES
+from .config import DEFAULT_MARGIN_BYTES, OffloadConfig
+
+# `--offload-state-fraction auto` measures this iteration: the first has start-up costs, the
+# second is the first with the coordinator's memory profile.
+AUTO = "auto"
+AUTO_FRACTION_ITERATION = 3
+
+# Overrides of OffloadConfig's diagnostic fields (keep_backward_workspace, backward_reloads,
+# host_waits_at_free, release_at), set before training by a benchmark's launcher to measure
+# alternatives side by side; empty in a user's run.
+DIAGNOSTICS: dict = {}
+
+
+def add_flags(parser):
+    """Add the `--offload-*` flags to `parser` (an argparse parser), in a group of their own."""
+    group = parser.add_argument_group(title="megatron-offload")
+    group.add_argument(
+        "--offload-optimizer-states",
+        action="store_true",
+        help="Move the DistributedOptimizer's Adam moments and fp32 master weights to pinned CPU "
+        "memory between steps and bring them back, overlapped with compute, before the next "
+        "step. The Adam step stays on the GPU. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-chunk-size-mb",
+        type=int,
+        default=DEFAULT_CHUNK_BYTES // 2**20,
+        help="Granularity (MiB) at which offloaded state is freed during the forward and "
+        "reloaded during the last backward. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-memory-margin-mb",
+        type=int,
+        default=DEFAULT_MARGIN_BYTES // 2**20,
+        help="Safety margin (MiB) kept below the measured activation peak when deciding how "
+        "late state may stay on the GPU. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-state-fraction",
+        type=_fraction_or_auto,
+        default=1.0,
+        help="Share (0 < f <= 1) of each DistributedOptimizer's state bytes to offload; the rest "
+        "stays on the GPU. 'auto': offload everything for the first iterations, measure one of them "
+        "(phase times, activation memory, copy bandwidth), then offload only what moves without "
+        "delaying the step, but at least what this GPU's memory requires. `python -m "
+        "megatron_offload.planner` computes the same from a profile. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-chunked-step",
+        action="store_true",
+        help="Run the optimizer step piece by piece (one chunk of state at a time: reload, "
+        "Adam, copy out, overlapped), so that the step never needs the whole state on the GPU. "
+        "For runs whose memory peak is the optimizer step (full recompute, late pipeline "
+        "stages, small activations). (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-step-budget-mb",
+        type=int,
+        default=0,
+        help="With --offload-chunked-step: at most this many MiB of optimizer state on the GPU "
+        "during the step (at least one chunk). 0: what the activations of the forward left "
+        "room for, at least three chunks. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-release-cached-memory",
+        action="store_true",
+        help="Once per iteration, when the offloaded state has left the GPU, return PyTorch's "
+        "cached free memory to the device (torch.cuda.empty_cache). Experimental: it can stop "
+        "reserved memory creeping up over iterations, at some time per step, but it can also raise "
+        "the peak (each iteration maps its memory anew). (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-copy-piece-mb",
+        type=int,
+        default=0,
+        help="Split each chunk's D2H/H2D copy into pieces of this many MiB (0: one copy per "
+        "chunk). (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-no-timing",
+        action="store_true",
+        help="Do not record CUDA events around copies (no D2H/H2D timings in the log). "
+        "(megatron-offload)",
+    )
+    return parser
+
+
+def _fraction_or_auto(value: str):
+    return AUTO if value == AUTO else float(value)
+
+
+def check_values(args) -> None:
+    """Refuse flag values out of range (OffloadArgumentError)."""
+    if not getattr(args, "offload_optimizer_states", False):
+        return
+    if args.offload_chunk_size_mb <= 0:
+        raise validation.OffloadArgumentError("--offload-chunk-size-mb must be positive")
+    if args.offload_memory_margin_mb < 0:
+        raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
+    if args.offload_step_budget_mb < 0:
+        raise validation.OffloadArgumentError("--offload-step-budget-mb must be >= 0 (0: automatic)")
+    if args.offload_step_budget_mb and not args.offload_chunked_step:
+        raise validation.OffloadArgumentError(
+            "--offload-step-budget-mb bounds the state resident during a chunked step: add "
+            "--offload-chunked-step or drop it")
+    if args.offload_copy_piece_mb < 0:
+        raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
+    if args.offload_state_fraction != AUTO and not 0.0 < args.offload_state_fraction <= 1.0:
+        raise validation.OffloadArgumentError(
+            "--offload-state-fraction must be in (0, 1] or 'auto': the share of the optimizer "
+            "state to offload (drop --offload-optimizer-states to offload nothing)")
+
+
+def config_from_args(args) -> OffloadConfig:
+    """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
+    auto = args.offload_state_fraction == AUTO
+    return dataclasses.replace(OffloadConfig(
+        chunk_bytes=args.offload_chunk_size_mb * 2**20,
+        margin_bytes=args.offload_memory_margin_mb * 2**20,
+        copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
+        state_fraction=1.0 if auto else args.offload_state_fraction,
+        auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
+        chunked_step=args.offload_chunked_step,
+        step_budget_bytes=args.offload_step_budget_mb * 2**20,
+        release_cache=args.offload_release_cached_memory,
+        timing=not args.offload_no_timing,
+        # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
+        host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
+    ), **DIAGNOSTICS)
