@@ -21,6 +21,7 @@ concerns live in their own modules, each a mixin of this class over the state se
     chunked_schedule  which chunks load, step and leave during a chunked step
     calibration       `--offload-state-fraction auto`'s measured iteration
     state_access      checkpoint and other readers/writers outside the step; start-up offload
+    phase_switch      the whole state off the GPU and back between training phases (RL)
     ledger            bytes by chunk state, reports
 
 The coordinator imports nothing from `megatron.training`; any training loop can drive it through
@@ -29,6 +30,7 @@ The coordinator imports nothing from `megatron.training`; any training loop can 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Callable, List, Optional
@@ -45,6 +47,7 @@ from .ledger import Ledger
 from .memory_policy import MemoryPolicy
 from .offloader import ChunkState, OptimizerStateOffloader
 from .phase import Phase
+from .phase_switch import PhaseSwitch
 from .registration import Registration
 from .state_access import StateAccess
 from .streams import CopyStreams
@@ -65,7 +68,8 @@ def _inert_once_closed(method):
     return wrapper
 
 
-class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess, Ledger):
+class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess, PhaseSwitch,
+                         Ledger):
     """Drives every offloader of one process through the training iteration (module docstring)."""
 
     def __init__(
@@ -313,7 +317,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         """`off`'s inner step begins (whole or chunked)."""
         self._trace(f"step_begin:{off.name}")
         self.phase = Phase.STEPPING
-        self.it.move_to(IterationState.STEPPING)
+        if self.config.per_step:  # (without it nothing reports the step's end: no iteration to track)
+            self.it.move_to(IterationState.STEPPING)
         self.it.stepped.add(id(off))
 
     def _after_inner_step(self, off: OptimizerStateOffloader) -> None:
@@ -411,3 +416,24 @@ def _first_grad_tensor(output) -> Optional[torch.Tensor]:
             if t is not None:
                 return t
     return None
+
+
+def phase_switcher(optimizer, device: Optional[torch.device] = None, config: Optional[OffloadConfig] = None,
+                   probes: AllocatorProbes = AllocatorProbes()) -> OffloadCoordinator:
+    """A coordinator that only switches phases, for a loop that trains without the per-step
+    offload: every DistributedOptimizer of `optimizer` (a ChainedOptimizer is walked) gets an
+    offloader; nothing is moved until `offload_all`. Its step hooks bring the state back before
+    a step that runs while it is off."""
+    config = dataclasses.replace(config or OffloadConfig(), per_step=False)
+    coord = OffloadCoordinator(config, device=device, probes=probes)
+    for i, dist_opt in enumerate(_distributed_optimizers(optimizer)):
+        coord.add_optimizer(dist_opt, name=f"distopt{i}")
+    return coord
+
+
+def _distributed_optimizers(optimizer):
+    if hasattr(optimizer, "chained_optimizers"):
+        for sub in optimizer.chained_optimizers:
+            yield from _distributed_optimizers(sub)
+    else:
+        yield optimizer
