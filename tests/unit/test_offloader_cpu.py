@@ -1263,6 +1263,56 @@ def test_a_te_checkpoint_load_rebuilds_the_state_which_is_sent_out_again(config)
             assert_bitwise_equal(snapshot(plain), snapshot(ref))
 
 
+@pytest.mark.parametrize("moments", ["bf16", "fp16"])
+def test_a_te_save_reads_the_host_copies_unless_unscaling_needs_a_gpu_scale(moments):
+    """A save reads TE's state through `get_unscaled_state` (TE's `state_dict`, megatron-core's
+    `_get_main_param_and_optimizer_states`). bf16 moments (and fp32 masters) are only cast: read on
+    the host copies, nothing comes back. fp16 moments are multiplied by their scale, a GPU tensor
+    in `optimizer._scales` that is never offloaded: on the GPU a host copy times it fails ("Expected
+    all tensors to be on the same device"), so the save gets the state back first."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[moments]
+    ref, opt = FakePrecisionAwareDistOpt(moment_dtype=dtype), FakePrecisionAwareDistOpt(moment_dtype=dtype)
+    for o in (ref, opt):
+        te_checkpoint_api(o)
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    coord.forward_begin(True)
+    coord.forward_end()  # all of it off the GPU
+    reads, unscale = [], opt.optimizer.get_unscaled_state
+
+    def watched(param, state_name, skip_unscale=False):
+        reads.append((state_name, any(c.on_host for c in off.chunks)))
+        return unscale(param, state_name, skip_unscale)
+
+    opt.optimizer.get_unscaled_state = watched
+    h2d = coord.streams.stats.cumulative_h2d_bytes
+    saved = opt.sharded_state_dict({})
+    expected = ref.sharded_state_dict({})
+    for i in expected:
+        assert_bitwise_equal(saved[i], expected[i])
+    assert reads and {name for name, _ in reads} == {"exp_avg", "exp_avg_sq", "master_param"}
+    if moments == "bf16":
+        assert all(on_host for _, on_host in reads)
+        assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
+    else:
+        assert not any(on_host for _, on_host in reads)
+        assert coord.streams.stats.cumulative_h2d_bytes > h2d
+    coord.forward_begin(True)
+    coord.forward_end()
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes  # sent out again either way
+    for step in range(2, 4):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+
+
 @pytest.mark.parametrize("case", ["fp32-params", "fraction", "fused", "te", "host-loads-off"])
 def test_writers_that_cannot_run_on_the_host_get_the_state_back(case):
     """Where a load would move or replace the state tensors, it runs as before: the state comes
