@@ -36,6 +36,22 @@ class HostCopies:
             chunk.on_host = True
         return len(chunks)
 
+    def host_reads_supported(self) -> bool:
+        """Whether a reader (a checkpoint save) can read the offloaded state on the host
+        (`expose_host_copies`). Not with Transformer Engine FusedAdam states kept in fp16 (moments
+        with --exp-avg-dtype/--exp-avg-sq-dtype fp16, masters with --main-params-dtype fp16): TE
+        stores them scaled, and every reader unscales them with `get_unscaled_state` (TE's own
+        `state_dict`, megatron-core's `_get_main_param_and_optimizer_states`), which multiplies
+        the state by its scale in `optimizer._scales`: a GPU tensor beside the state, not
+        offloaded. A CPU state times a GPU scale fails. Those readers get the state back instead.
+        fp32 and bf16 states are read as they are (TE's `get_unscaled_state` only casts them)."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        dtypes = getattr(inner, "name_to_dtype_map", None)
+        if not isinstance(dtypes, dict) or not callable(getattr(inner, "get_unscaled_state", None)):
+            return True
+        keys = ["exp_avg", "exp_avg_sq"] + (["master_param"] if getattr(inner, "master_weights", False) else [])
+        return all(dtypes.get(key, torch.float32) in (torch.float32, torch.bfloat16) for key in keys)
+
     def host_writes_supported(self) -> bool:
         """Whether a writer of the whole state (a torch_dist checkpoint load) can run
         on the host copies (`expose_host_copies`) and leave the tensors it wrote where they are.

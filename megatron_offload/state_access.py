@@ -46,6 +46,8 @@ class StateAccess:
         # DistributedOptimizer of a chain) are independent.
         enclosing = [kind for o, kind in self._accesses if o is off]
         on_host = (enclosing[-1] is not Access.GPU) if enclosing else host_copies_ok
+        # TE's fp16 states are read through a GPU scale (`host_reads_supported`).
+        on_host = on_host and off.host_reads_supported()
         if on_host and not will_modify:
             kind = Access.HOST_READ
             off.expose_host_copies()

@@ -115,7 +115,9 @@ def test_materialized_state_is_identical_to_lazy_and_packed_once():
 
 
 def test_materialize_leaves_existing_state_alone():
-    opt = FakePrecisionAwareDistOpt()  # masters created up front: TE does not initialize it again
+    opt = FakePrecisionAwareDistOpt()
+    make_grads(opt.all_params(), 0)
+    opt.step()  # TE created the state (as a resumed run's load does): not initialized again
     coord = make_coord()
     off = coord.add_optimizer(opt)
     assert off.materialize_state() == 0
@@ -899,14 +901,15 @@ def test_large_slots_tile_the_activations_that_fill_their_holes():
     assert slot_bytes(5000) == 5120
 
 
-@pytest.mark.parametrize("remainders", [False, True])
-def test_te_state_is_created_by_te_chunk_by_chunk_before_the_first_step(remainders, monkeypatch):
+@pytest.mark.parametrize("config", ["fp32-master", "int16-remainders-bf16-moments", "fp16-moments", "fp16-master"])
+def test_te_state_is_created_by_te_chunk_by_chunk_before_the_first_step(config, monkeypatch):
     """TE FusedAdam creates every state tensor of every parameter (masters too) in its first
     step: the whole state at once, among that iteration's activations. The offloader creates it
     before the first forward instead, with TE's own `initialize_state`, one chunk's parameters at a
     time, and training is bit-identical to TE's lazy creation."""
-    kw = dict(numels=(300, 1000, 4096, 512, 2048, 700), store_param_remainders=remainders,
-              moment_dtype=torch.bfloat16 if remainders else torch.float32, te_lazy_decoupled=True)
+    kw = dict(numels=(300, 1000, 4096, 512, 2048, 700), **{
+        "fp32-master": {}, "int16-remainders-bf16-moments": dict(store_param_remainders=True, moment_dtype=torch.bfloat16),
+        "fp16-moments": dict(moment_dtype=torch.float16), "fp16-master": dict(master_weight_dtype=torch.float16)}[config])
     ref, opt = FakePrecisionAwareDistOpt(**kw), FakePrecisionAwareDistOpt(**kw)
     coord = make_coord(chunk_bytes=8192)
     off = coord.add_optimizer(opt)
@@ -936,14 +939,15 @@ def test_te_state_is_created_by_te_chunk_by_chunk_before_the_first_step(remainde
             if c is not None:
                 c.optimizer_step_done()
         assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
-    # TE's per-state scales were created as its lazy initialisation creates them.
+    # TE's per-state scales were created as its lazy initialisation creates them (and their
+    # values, in the snapshots above, stepped alike).
     assert [sorted(ref.optimizer._scales.get(p, {})) for p in ref.all_params()] == \
         [sorted(opt.optimizer._scales.get(p, {})) for p in opt.all_params()]
 
 
 
 def test_te_releases_whose_initialize_state_takes_only_the_param_are_called_so():
-    opt = FakePrecisionAwareDistOpt(te_lazy_decoupled=True)
+    opt = FakePrecisionAwareDistOpt()
     seen, initialize = [], opt.optimizer.initialize_state
     opt.optimizer.initialize_state = lambda param: (seen.append(param), initialize(param, False))
     coord = make_coord()
@@ -1165,6 +1169,148 @@ def test_a_writer_that_replaces_state_tensors_on_the_host_is_refused():
     one_iteration(opt, coord, 0)
     with pytest.raises(RuntimeError, match="replaced state tensors"):
         opt.load_state_dict({})
+
+
+def te_checkpoint_api(opt):
+    """DistributedOptimizer's checkpoint methods around TE FusedAdam, as megatron-core 0.19.2 runs a
+    torch_dist save or load (distrib_optimizer.py): `state_dict()` calls TE's (which unscales every
+    state) and keeps the param groups; `load_state_dict(sd)` with the state allocated loads TE's own
+    `state_dict()["state"]` back into TE (TE rebuilds every state tensor), then writes the loaded
+    values (`sd["param_state"]`) with `set_scaled_state` (`_set_main_param_and_optimizer_states`);
+    `sharded_state_dict` runs `load_state_dict(state_dict())` nested when loading, and returns the
+    unscaled states (`_get_main_param_and_optimizer_states`: get_unscaled_state)."""
+    inner = opt.optimizer
+
+    def state_dict():
+        return {"optimizer": {k: v for k, v in inner.state_dict().items() if k != "state"}}
+
+    def load_state_dict(sd):
+        own = inner.state_dict()
+        groups = [{**saved, "params": current["params"]}
+                  for saved, current in zip(sd["optimizer"]["param_groups"], own["param_groups"])]
+        inner.load_state_dict({"state": own["state"], "param_groups": groups})
+        for i, tensors in (sd.get("param_state") or {}).items():
+            p = opt.all_params()[i]
+            for k, v in tensors.items():
+                inner.set_scaled_state(p, "master_param" if k == "param" else k, v)
+
+    def sharded_state_dict(model_sharded_state_dict, is_loading=False):
+        if is_loading:
+            opt.load_state_dict(opt.state_dict())
+        else:
+            opt.state_dict()  # (the param groups: TE unscales every state for them)
+        out = {}
+        for i, p in enumerate(opt.all_params()):
+            tensors = {k: inner.get_unscaled_state(p, k) for k in inner.state[p]}
+            tensors["param"] = tensors.pop("master_param")
+            out[i] = tensors
+        return out
+
+    opt.state_dict, opt.load_state_dict, opt.sharded_state_dict = state_dict, load_state_dict, sharded_state_dict
+
+
+def te_resume(opt):
+    """A torch_dist load of the checkpoint `opt` would save now (a resume): the template's values
+    are the unscaled states (cloned: dist-checkpointing reads them from the file)."""
+    saved = {i: {k: v.clone() for k, v in t.items()} for i, t in opt.sharded_state_dict({}).items()}
+    opt.sharded_state_dict({}, is_loading=True)
+    opt.load_state_dict({**opt.state_dict(), "param_state": saved})
+
+
+@pytest.mark.parametrize("config", ["fp32-master", "int16-remainders-bf16-moments", "fp16-moments"])
+def test_a_te_checkpoint_load_rebuilds_the_state_which_is_sent_out_again(config):
+    """TE's `load_state_dict` replaces every state tensor by a new one (megatron-core runs it in
+    every checkpoint load): the load takes the state back to the GPU, the offloader finds the new
+    tensors and sends them out, and training goes on as without offloading. TE's round trip keeps
+    fp32 masters, int16 remainders and bf16 moments exactly (a resume changes nothing); fp16
+    moments are re-scaled."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    kw = {"fp32-master": {}, "fp16-moments": dict(moment_dtype=torch.float16),
+          "int16-remainders-bf16-moments": dict(store_param_remainders=True, moment_dtype=torch.bfloat16)}[config]
+    plain, ref, opt = (FakePrecisionAwareDistOpt(**kw) for _ in range(3))
+    for o in (ref, opt):
+        te_checkpoint_api(o)
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        for o, c in ((plain, None), (ref, None), (opt, coord)):
+            one_iteration(o, c, step)
+    coord.forward_begin(True)
+    coord.forward_end()  # all of it off the GPU
+    packed = [st.tensor for st in off.discovery.tensors]  # (held: ids stay unique)
+    dtypes = [{k: t.dtype for k, t in opt.optimizer.state[p].items()} for p in opt.all_params()]
+    te_resume(ref)
+    te_resume(opt)
+    current = [t for p in opt.all_params() for t in opt.optimizer.state[p].values()]
+    assert not {id(t) for t in current} & {id(t) for t in packed}  # TE rebuilt every state tensor...
+    assert {id(t) for t in current} == {id(st.tensor) for st in off.discovery.tensors}  # ...found again
+    assert [{k: t.dtype for k, t in opt.optimizer.state[p].items()} for p in opt.all_params()] == dtypes
+    coord.forward_begin(True)
+    coord.forward_end()
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
+    assert all(storage_bytes(t) == 0 for t in current)  # the new tensors are off the GPU
+    assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    if config != "fp16-moments":
+        assert_bitwise_equal(snapshot(plain), snapshot(ref))
+    for step in range(2, 4):
+        for o, c in ((plain, None), (ref, None), (opt, coord)):
+            one_iteration(o, c, step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+        if config != "fp16-moments":
+            assert_bitwise_equal(snapshot(plain), snapshot(ref))
+
+
+@pytest.mark.parametrize("moments", ["bf16", "fp16"])
+def test_a_te_save_reads_the_host_copies_unless_unscaling_needs_a_gpu_scale(moments):
+    """A save reads TE's state through `get_unscaled_state` (TE's `state_dict`, megatron-core's
+    `_get_main_param_and_optimizer_states`). bf16 moments (and fp32 masters) are only cast: read on
+    the host copies, nothing comes back. fp16 moments are multiplied by their scale, a GPU tensor
+    in `optimizer._scales` that is never offloaded: on the GPU a host copy times it fails ("Expected
+    all tensors to be on the same device"), so the save gets the state back first."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[moments]
+    ref, opt = FakePrecisionAwareDistOpt(moment_dtype=dtype), FakePrecisionAwareDistOpt(moment_dtype=dtype)
+    for o in (ref, opt):
+        te_checkpoint_api(o)
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    coord.forward_begin(True)
+    coord.forward_end()  # all of it off the GPU
+    reads, unscale = [], opt.optimizer.get_unscaled_state
+
+    def watched(param, state_name, skip_unscale=False):
+        reads.append((state_name, any(c.on_host for c in off.chunks)))
+        return unscale(param, state_name, skip_unscale)
+
+    opt.optimizer.get_unscaled_state = watched
+    h2d = coord.streams.stats.cumulative_h2d_bytes
+    saved = opt.sharded_state_dict({})
+    expected = ref.sharded_state_dict({})
+    for i in expected:
+        assert_bitwise_equal(saved[i], expected[i])
+    assert reads and {name for name, _ in reads} == {"exp_avg", "exp_avg_sq", "master_param"}
+    if moments == "bf16":
+        assert all(on_host for _, on_host in reads)
+        assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
+    else:
+        assert not any(on_host for _, on_host in reads)
+        assert coord.streams.stats.cumulative_h2d_bytes > h2d
+    coord.forward_begin(True)
+    coord.forward_end()
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes  # sent out again either way
+    for step in range(2, 4):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
 
 
 @pytest.mark.parametrize("case", ["fp32-params", "fraction", "fused", "te", "host-loads-off"])
