@@ -423,8 +423,9 @@ def phase_switcher(optimizer, device: Optional[torch.device] = None, config: Opt
     """A coordinator that only switches phases, for a loop that trains without the per-step
     offload: every DistributedOptimizer of `optimizer` (a ChainedOptimizer is walked) gets an
     offloader; nothing is moved until `offload_all`. Its step hooks bring the state back before
-    a step that runs while it is off."""
-    config = dataclasses.replace(config or OffloadConfig(), per_step=False)
+    a step that runs while it is off; checkpoint saves and loads need `restore_all` first."""
+    # No per-step offload, hence no chunked step (nothing reports a step's end to bound it).
+    config = dataclasses.replace(config or OffloadConfig(), per_step=False, chunked_step=False)
     coord = OffloadCoordinator(config, device=device, probes=probes)
     for i, dist_opt in enumerate(_distributed_optimizers(optimizer)):
         coord.add_optimizer(dist_opt, name=f"distopt{i}")

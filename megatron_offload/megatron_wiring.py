@@ -390,7 +390,7 @@ def _wrap_calc_params_l2_norm(original):
 
     @functools.wraps(original)
     def wrapper(*a, **k):
-        if not _enabled() or not coordinator.chunked_step:
+        if not _enabled() or not coordinator.config.chunked_step:
             return original(*a, **k)
         with coordinator.state_access(coordinator.offloaders, will_modify=False):
             return original(*a, **k)

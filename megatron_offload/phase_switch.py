@@ -11,7 +11,11 @@ pinned buffers and chunks as the per-step offload. A mixin of `OffloadCoordinato
 
 Between steps only (not inside a forward, backward, step or checkpoint access). With
 `--offload-optimizer-states` the per-step schedule stays consistent: `restore_all` leaves every
-chunk resident with its host copy current, so the next forward frees it again without a copy.
+chunk resident with its host copy current, so the next forward frees it again without a copy, and
+the plugin's checkpoint wrappers guard every reader and writer. A `phase_switcher` (no flag) has
+no such wrappers: its `restore_all` marks the host copies stale (whatever writes the state before
+the next `offload_all` is copied out again), and checkpoint saves and loads need the state back
+(`restore_all`) first.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class SwitchHandle:
 
     def __init__(self, events: List, nbytes: int):
         self._events = [e for e in events if e is not None]
-        self.nbytes = nbytes  # bytes of state moved by this switch
+        self.nbytes = nbytes  # bytes of GPU memory this switch freed (offload_all) or filled (restore_all)
 
     def done(self) -> bool:
         return all(e.query() for e in self._events)
@@ -62,8 +66,7 @@ class PhaseSwitch:
         for off in self.offloaders:
             off.start_copy_out()  # RESIDENT chunks: stepped since they were last copied out
         events = [c.ready for off in self.offloaders for c in off.chunks_in(ChunkState.COPYING_OUT)]
-        self._free_until(0)
-        moved = self.bytes_in(ChunkState.OFFLOADED)
+        moved = self._free_until(0)
         self._trace("offload_all")
         handle = SwitchHandle(events, moved)
         if release_memory:
@@ -80,7 +83,11 @@ class PhaseSwitch:
         moved = sum(off.start_copy_in(chunks) for off, chunks in incoming)
         events = [c.ready for _, chunks in incoming for c in chunks]
         for off in self.offloaders:
-            off.settle_unmodified()  # COPYING_IN -> COPYING_OUT, compute stream after the H2D
+            if self.config.per_step:
+                off.settle_unmodified()  # COPYING_IN -> COPYING_OUT, compute stream after the H2D
+            else:
+                # Nothing guards the writers here (module docstring): RESIDENT, host copy stale.
+                off.make_resident(will_modify=True)
         self.phase = Phase.FREEING if self.bytes_in(ChunkState.COPYING_OUT) else self.phase
         self._trace("restore_all")
         return SwitchHandle(events, moved)

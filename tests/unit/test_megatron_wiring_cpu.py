@@ -233,8 +233,8 @@ def test_cached_memory_release_is_opt_in():
 def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatch):
     seen = []
 
-    class Coord:
-        chunked_step = True
+    class Coord:  # the coordinator's real config type, so that a renamed field fails here
+        config = megatron_offload.OffloadConfig(chunked_step=True)
         offloaders = ["a", "b"]
         state_access = megatron_offload.OffloadCoordinator.state_access
         _close_accesses = megatron_offload.OffloadCoordinator._close_accesses
@@ -251,7 +251,7 @@ def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatc
     assert seen == [("before", "a", False), ("before", "b", False), "norm", ("after", "b", False),
                     ("after", "a", False)]
     seen.clear()
-    Coord.chunked_step = False
+    Coord.config = megatron_offload.OffloadConfig(chunked_step=False)
     assert norm(None) == 1.5 and seen == ["norm"]
 
 

@@ -83,3 +83,21 @@ def test_phase_switches_are_refused_inside_an_iteration_a_reader_or_with_a_kept_
     one_iteration(opt, coord, 0)
     with pytest.raises(PhaseSwitchError, match="kept resident"):
         coord.offload_all()
+
+
+def test_a_write_after_restore_all_survives_the_next_switch_without_the_flag():
+    """No checkpoint wrappers guard a switcher's state: restore_all leaves the host copies stale,
+    so an in-place write (e.g. a model-only load refreshing the masters) is copied out again."""
+    opt = FakeDistOpt()
+    coord = phase_switcher(opt, device=CPU, config=OffloadConfig(chunk_bytes=4096, chunked_step=True))
+    assert not coord.config.chunked_step  # (no step end is reported: no chunked step)
+    make_grads(opt.all_params(), 0)
+    opt.step()
+    first = coord.offload_all()
+    coord.restore_all()
+    tensor = coord.offloaders[0].discovery.tensors[0].tensor
+    tensor.fill_(42.0)
+    again = coord.offload_all()
+    assert again.nbytes == first.nbytes > 0
+    coord.restore_all()
+    assert bool((tensor == 42.0).all())
