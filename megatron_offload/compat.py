@@ -140,8 +140,8 @@ def import_training_modules():
         import megatron.training.training as training
     except ImportError as err:
         hint = ""
-        if getattr(err, "name", None) == "yaml":  # megatron-core 0.18 needs it and does not declare it
-            hint = " (megatron-core 0.18's megatron.training needs PyYAML: pip install pyyaml)"
+        if getattr(err, "name", None) == "yaml":  # megatron-core 0.17 and 0.18 need it and do not declare it
+            hint = " (megatron.training of megatron-core 0.17 and 0.18 needs PyYAML: pip install pyyaml)"
         raise IncompatibleMegatronError(
             f"megatron-offload cannot import Megatron's training loop (megatron-core "
             f"{megatron_core_version() or '(none found)'}): {err}{hint}") from None

@@ -433,8 +433,8 @@ def test_the_launcher_refuses_an_unsupported_release_in_one_line(tmp_path):
 
 
 def test_a_megatron_that_does_not_import_is_one_clear_error(monkeypatch):
-    """megatron-core 0.18's megatron.training imports PyYAML, which the wheel does not declare: a bare
-    ModuleNotFoundError from deep inside Megatron's imports became one line with the fix."""
+    """megatron.training of megatron-core 0.17 and 0.18 imports PyYAML, which the wheel does not declare:
+    a bare ModuleNotFoundError from deep inside Megatron's imports became one line with the fix."""
     import builtins
 
     from megatron_offload import compat
@@ -450,8 +450,8 @@ def test_a_megatron_that_does_not_import_is_one_clear_error(monkeypatch):
     with pytest.raises(compat.IncompatibleMegatronError) as err:
         compat.import_training_modules()
     assert str(err.value).startswith("megatron-offload cannot import Megatron's training loop (megatron-core ")
-    assert "No module named 'yaml' (megatron-core 0.18's megatron.training needs PyYAML: pip install pyyaml)" in str(
-        err.value)
+    assert ("No module named 'yaml' (megatron.training of megatron-core 0.17 and 0.18 needs PyYAML: "
+            "pip install pyyaml)") in str(err.value)
     assert err.value.__cause__ is None and err.value.__suppress_context__
 
 

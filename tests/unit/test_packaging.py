@@ -33,7 +33,7 @@ def test_the_megatron_extra_is_the_supported_range():
     assert f"megatron-core>={mc_lo[0]}.{mc_lo[1]},<{mc_hi[0]}.{mc_hi[1] + 1}" in extra
     # ("a0": NGC's torch 2.8.0a0+... is 2.8, and a plain >=2.8 would replace it with PyPI's)
     assert f"torch>={t_lo[0]}.{t_lo[1]}.0a0,<{t_hi[0]}.{t_hi[1] + 1}" in extra
-    assert "pyyaml" in extra  # (megatron-core 0.18's megatron.training imports it undeclared)
+    assert "pyyaml" in extra  # (megatron.training of megatron-core 0.17 and 0.18 imports it undeclared)
 
 
 def test_ci_runs_the_oldest_and_newest_supported_releases():
