@@ -23,8 +23,9 @@ from typing import Dict, List, Optional, Tuple
 #   megatron-core 0.17  the first wheel on PyPI that ships `megatron.training` (0.16.1 has only
 #                       megatron.core), which the plugin wires into;
 #   megatron-core 0.19  the newest release (0.19.2 is the one run on GPUs);
-#   torch 2.8           the oldest whose triton lets `megatron.training` import where no GPU
-#                       driver is loaded (the CPU suite); 2.7 and older fail there at import;
+#   torch 2.8           the oldest CI can test: with 2.7.1 and 2.6.0 (triton 3.3, 3.2)
+#                       `megatron.training` does not import where no GPU driver is loaded,
+#                       so the CPU suite cannot run (not known to fail on GPUs);
 #   torch 2.14          the newest release tested.
 SUPPORTED = {"megatron-core": ((0, 17), (0, 19)), "torch": ((2, 8), (2, 14))}
 # Set to 1 to try a release outside SUPPORTED anyway (a note instead of the error; the signature
