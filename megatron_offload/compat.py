@@ -1,19 +1,44 @@
-"""What megatron-offload expects of the Megatron it patches, checked once at `install()`.
+"""What megatron-offload expects of the Megatron and torch it runs with, checked once at `install()`.
 
-Every function the plugin wraps is listed with the parameters its wrapper relies on (by position
-where the wrapper reads positional arguments, by name otherwise). A Megatron whose functions moved
-or changed shape gets one error naming each mismatch, instead of a wrapper that silently passes
-through (or fails deep inside a training step) on a signature it does not understand.
+First the versions: megatron-core and torch must lie in the ranges the CPU suite runs on in CI
+(SUPPORTED); outside them `install()` raises UnsupportedVersionError, one line naming what it found
+and what is supported. Then every function the plugin wraps is listed with the parameters its
+wrapper relies on (by position where the wrapper reads positional arguments, by name otherwise). A
+Megatron whose functions moved or changed shape gets one error naming each mismatch, instead of a
+wrapper that silently passes through (or fails deep inside a training step) on a signature it does
+not understand.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from typing import List, Optional, Tuple
+import os
+import re
+import sys
+from typing import Dict, List, Optional, Tuple
 
-# The megatron-core releases these signatures were validated on.
-VALIDATED = ("0.19",)
+# (oldest, newest) major.minor, both included. Pre-releases and local builds count as their
+# release: NGC's torch "2.9.0a0+50eac81" is 2.9. Why these bounds:
+#   megatron-core 0.17  the first wheel on PyPI that ships `megatron.training` (0.16.1 has only
+#                       megatron.core), which the plugin wires into;
+#   megatron-core 0.19  the newest release (0.19.2 is the one run on GPUs);
+#   torch 2.8           the oldest CI can test: with 2.7.1 and 2.6.0 (triton 3.3, 3.2)
+#                       `megatron.training` does not import where no GPU driver is loaded,
+#                       so the CPU suite cannot run (not known to fail on GPUs);
+#   torch 2.14          the newest release tested.
+SUPPORTED = {"megatron-core": ((0, 17), (0, 19)), "torch": ((2, 8), (2, 14))}
+# Set to 1 to try a release outside SUPPORTED anyway (a note instead of the error; the signature
+# check below still applies).
+ALLOW_UNSUPPORTED_ENV = "MEGATRON_OFFLOAD_ALLOW_UNSUPPORTED"
+
+# Functions that some supported releases also bind by name in another module (`from ... import`
+# at import time), where their caller looks them up: install() rebinds those copies too.
+#   megatron-core 0.17: `initialize_megatron` calls megatron.training.initialize's own
+#   `validate_args` (0.18 and later call it through megatron.training.arguments).
+ALIASES: Dict[Tuple[str, str], Tuple[str, ...]] = {
+    ("megatron.training.arguments", "validate_args"): ("megatron.training.initialize",),
+}
 
 # (module, attribute path, leading positional parameters the wrapper indexes, names it reads)
 HOOK_POINTS: Tuple[Tuple[str, str, Tuple[str, ...], Tuple[str, ...]], ...] = (
@@ -41,13 +66,87 @@ class IncompatibleMegatronError(RuntimeError):
     """The running Megatron does not offer the functions megatron-offload hooks, as it expects them."""
 
 
+class UnsupportedVersionError(IncompatibleMegatronError):
+    """megatron-core or torch lies outside the ranges megatron-offload supports (SUPPORTED)."""
+
+
+def _release(version: Optional[str]) -> Optional[Tuple[int, int]]:
+    """(major, minor) of a version string; pre-release and local parts are ignored."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
 def megatron_core_version() -> Optional[str]:
+    """The version of the megatron.core that imports (a Megatron-LM checkout on PYTHONPATH
+    included), else of the installed distribution; None when there is neither."""
     try:
         from megatron.core import package_info
 
-        return str(package_info.__version__)
-    except Exception:  # noqa: BLE001 - a checkout without package_info
+        # (megatron-core appends `+<commit>` of whatever git checkout holds its files)
+        return str(package_info.__version__).split("+")[0]
+    except Exception:  # noqa: BLE001 - not installed, or a megatron.core that fails to import
+        pass
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("megatron-core")
+    except (ImportError, PackageNotFoundError):
         return None
+
+
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _range_text(name: str) -> str:
+    (lo_major, lo_minor), (hi_major, hi_minor) = SUPPORTED[name]
+    return f"{name} {lo_major}.{lo_minor} to {hi_major}.{hi_minor}"
+
+
+def version_problem(found: Optional[Dict[str, Optional[str]]] = None) -> Optional[str]:
+    """One line naming the versions found and the supported ranges when either lies outside
+    them; None inside."""
+    from . import __version__
+
+    found = found or {"megatron-core": megatron_core_version(), "torch": torch_version()}
+    releases = {name: _release(found.get(name)) for name in SUPPORTED}
+    if all(releases[name] is not None and lo <= releases[name] <= hi for name, (lo, hi) in SUPPORTED.items()):
+        return None
+    found_text = " and ".join(f"{name} {found.get(name) or '(none found)'}" for name in SUPPORTED)
+    supported = " and ".join(_range_text(name) for name in SUPPORTED)
+    return f"megatron-offload {__version__} supports {supported}; found {found_text}"
+
+
+def check_versions() -> Optional[str]:
+    """Raise UnsupportedVersionError outside SUPPORTED. With MEGATRON_OFFLOAD_ALLOW_UNSUPPORTED=1,
+    return the same line as a note instead. None inside."""
+    problem = version_problem()
+    if problem is None:
+        return None
+    if os.environ.get(ALLOW_UNSUPPORTED_ENV) == "1":
+        return f"{problem} (trying anyway: {ALLOW_UNSUPPORTED_ENV}=1)"
+    raise UnsupportedVersionError(
+        f"{problem}. Run without megatron-offload, install supported releases (on a fresh machine: "
+        f"pip install 'megatron-offload[megatron]'), or set {ALLOW_UNSUPPORTED_ENV}=1 to try anyway.")
+
+
+def import_training_modules():
+    """(arguments, training, schedules): Megatron's modules that install() patches, or one
+    IncompatibleMegatronError line saying why they do not import."""
+    try:
+        import megatron.core.pipeline_parallel.schedules as schedules
+        import megatron.training.arguments as arguments
+        import megatron.training.training as training
+    except ImportError as err:
+        hint = ""
+        if getattr(err, "name", None) == "yaml":  # megatron-core 0.17 and 0.18 need it and do not declare it
+            hint = " (megatron.training of megatron-core 0.17 and 0.18 needs PyYAML: pip install pyyaml)"
+        raise IncompatibleMegatronError(
+            f"megatron-offload cannot import Megatron's training loop (megatron-core "
+            f"{megatron_core_version() or '(none found)'}): {err}{hint}") from None
+    return arguments, training, schedules
 
 
 def _resolve(module: str, path: str):
@@ -80,17 +179,16 @@ def mismatches(points=HOOK_POINTS) -> List[str]:
     return found
 
 
-def check(points=HOOK_POINTS) -> Optional[str]:
-    """Raise IncompatibleMegatronError on any mismatch; return a note for a release the
-    signatures match but nobody validated (None on a validated one)."""
-    version = megatron_core_version()
+def check(points=HOOK_POINTS) -> None:
+    """Raise IncompatibleMegatronError naming every hook point that is missing or changed shape."""
     found = mismatches(points)
     if found:
         raise IncompatibleMegatronError(
-            f"megatron-offload cannot wire into this Megatron (megatron-core {version or 'unknown'}; validated on "
-            f"{', '.join(VALIDATED)}.x): " + "; ".join(found)
+            f"megatron-offload cannot wire into this Megatron (megatron-core {megatron_core_version() or 'unknown'}; "
+            f"supported: {_range_text('megatron-core')}): " + "; ".join(found)
             + ". Run without megatron-offload, or with a megatron-core it supports.")
-    if version is None or not any(version.startswith(v) for v in VALIDATED):
-        return (f"megatron-core {version or 'unknown'} has the functions megatron-offload hooks, but the plugin "
-                f"was validated on {', '.join(VALIDATED)}.x only.")
-    return None
+
+
+def aliases_of(module: str, name: str) -> List[object]:
+    """The imported modules holding their own binding of `module.name` (ALIASES)."""
+    return [sys.modules[m] for m in ALIASES.get((module, name), ()) if m in sys.modules]

@@ -1,7 +1,8 @@
 """Every contact point with Megatron-LM's training loop, in one place.
 
 `install()` wraps, by module attribute (Megatron looks them up at call time), these functions of an
-unmodified megatron-core 0.19 installation:
+unmodified megatron-core installation (0.17 to 0.19: compat.SUPPORTED; on 0.17 also the copy of
+validate_args that megatron.training.initialize imports, compat.ALIASES):
 
   megatron.training.arguments.add_megatron_arguments  -> adds our flags (or steps aside when the
                                                           running Megatron defines them itself)
@@ -405,6 +406,10 @@ def _patch(module, name: str, make_wrapper) -> None:
     wrapped = make_wrapper(original)
     wrapped._megatron_offload = True
     setattr(module, name, wrapped)
+    # Copies bound by `from ... import` in releases whose callers look the function up there.
+    for alias in compat.aliases_of(getattr(module, "__name__", ""), name):
+        if getattr(alias, name, None) is original:
+            setattr(alias, name, wrapped)
 
 
 def install() -> None:
@@ -412,11 +417,10 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import megatron.core.pipeline_parallel.schedules as schedules
-    import megatron.training.arguments as arguments
-    import megatron.training.training as training
-
-    note = compat.check()  # (raises IncompatibleMegatronError before anything is patched)
+    # Each raises IncompatibleMegatronError, one line, before anything is patched.
+    note = compat.check_versions()
+    arguments, training, schedules = compat.import_training_modules()
+    compat.check()
     if note:
         _print(note)
     _patch(arguments, "add_megatron_arguments", _wrap_add_megatron_arguments)

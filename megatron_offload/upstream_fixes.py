@@ -1,4 +1,4 @@
-"""Fixes for megatron-core 0.19 itself, unrelated to offloading, applied by `install()`.
+"""Fixes for megatron-core itself (0.17 to 0.19), unrelated to offloading, applied by `install()`.
 
 They make a pip install of megatron-core run Megatron-LM's own scripts at all, with or without
 --offload-optimizer-states:
@@ -6,7 +6,7 @@ They make a pip install of megatron-core run Megatron-LM's own scripts at all, w
   compile_helpers   the wheel ships the compiled dataset helper but no Makefile, and
                     `initialize_megatron` runs `make` on rank 0, which fails and exits: skip the
                     build when the prebuilt `helpers_cpp` imports.
-  help strings      one upstream help text has a bare '%': `--help` crashed in argparse
+  help strings      one help text of 0.19.2 has a bare '%': `--help` crashed in argparse
                     (`mend_help_strings`, applied when Megatron builds its parser).
   DistributedOptimizer.state_dict / load_state_dict
                     without Apex or Transformer Engine (the torch AdamW fallback) a torch_dist

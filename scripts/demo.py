@@ -30,7 +30,7 @@ def main():
     try:
         import megatron.core  # noqa: F401
     except ImportError:
-        sys.exit("megatron-offload demo: megatron-core is not installed (pip install -e . installs it).")
+        sys.exit("megatron-offload demo: megatron-core is not installed (pip install -e '.[megatron]' installs it).")
     import benchmark
 
     nproc = torch.cuda.device_count()

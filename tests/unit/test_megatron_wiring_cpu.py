@@ -1,5 +1,5 @@
-"""The Megatron wiring on CPU, against the installed megatron-core 0.19 (arguments, validation,
-step-aside, the pip wheel's missing Makefile, the launcher, the source patch)."""
+"""The Megatron wiring on CPU, against the installed megatron-core (0.17 to 0.19: arguments, validation,
+step-aside, the pip wheel's missing Makefile, the launcher, the source patch, the version check)."""
 
 import argparse
 import os
@@ -110,10 +110,23 @@ def test_non_distributed_optimizer_is_refused():
         list(megatron_wiring.iter_distributed_optimizers(Float16Optimizer()))
 
 
+# What a training script's `initialize_megatron` does first, on every supported release.
+PARSE_AND_VALIDATE = """
+try:  # megatron-core 0.18 and later
+    from megatron.training.arguments import parse_and_validate_args
+except ImportError:  # 0.17: initialize_megatron calls the names megatron.training.initialize imported
+    import megatron.training.initialize as _init
+
+    def parse_and_validate_args(args_defaults={}):
+        args = _init.parse_args(None, False)
+        _init.validate_args(args, args_defaults)
+        return args
+"""
+
+
 def _run_launcher(tmp_path, extra, alloc_conf=None):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
-        from megatron.training.arguments import parse_and_validate_args
+    script.write_text(PARSE_AND_VALIDATE + textwrap.dedent("""
         args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
         import os
         print("PARSED offload_optimizer_states =", args.offload_optimizer_states, flush=True)
@@ -317,7 +330,21 @@ def test_every_hook_point_matches_the_installed_megatron():
     from megatron_offload import compat
 
     assert compat.mismatches() == []
-    assert compat.check() is None  # 0.19.x: validated, nothing to say
+    compat.check()
+    assert compat.version_problem() is None  # (CI runs this suite on the oldest and newest releases supported)
+
+
+def test_copies_of_hooked_functions_imported_by_name_are_wrapped_too():
+    """megatron-core 0.17's initialize_megatron calls the validate_args that megatron.training.initialize
+    imported by name: wrapping only megatron.training.arguments' left the plugin's checks (and the
+    allocator setting) out of every run there."""
+    import megatron.training.initialize as initialize
+
+    from megatron_offload import compat
+
+    assert compat.aliases_of("megatron.training.arguments", "validate_args") == [initialize]
+    if hasattr(initialize, "validate_args"):  # 0.17
+        assert getattr(initialize.validate_args, "_megatron_offload", False)
 
 
 def test_a_changed_or_missing_hook_point_is_one_clear_error(monkeypatch):
@@ -337,14 +364,95 @@ def test_a_changed_or_missing_hook_point_is_one_clear_error(monkeypatch):
     text = str(err.value)
     assert "schedules.forward_step('model', 'forward_step_func', 'data_iterator') does not start with" in text
     assert "megatron.training.training.no_such_function is missing" in text
-    assert "megatron-core 0.19" in text
+    assert f"megatron-core {compat.megatron_core_version()}; supported: megatron-core 0.17 to 0.19" in text
 
 
-def test_an_unvalidated_release_with_matching_hooks_gets_a_note(monkeypatch):
+@pytest.mark.parametrize("megatron_core, torch_version, inside", [
+    ("0.17.1", "2.8.0", True),
+    ("0.19.2", "2.14.1+cu130", True),
+    ("0.18.0rc0", "2.9.0a0+50eac811a6", True),  # pre-releases and NGC builds count as their release
+    ("0.16.1", "2.11.0", False),
+    ("0.20.0", "2.11.0", False),
+    ("0.19.2", "2.7.1", False),
+    ("0.19.2", "2.15.0", False),
+    (None, "2.11.0", False),
+])
+def test_version_ranges(megatron_core, torch_version, inside):
     from megatron_offload import compat
 
-    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.21.0")
-    assert "0.21.0" in compat.check() and "validated on 0.19.x only" in compat.check()
+    problem = compat.version_problem({"megatron-core": megatron_core, "torch": torch_version})
+    if inside:
+        assert problem is None
+    else:
+        assert problem == (f"megatron-offload {megatron_offload.__version__} supports megatron-core 0.17 to 0.19 and "
+                           f"torch 2.8 to 2.14; found megatron-core {megatron_core or '(none found)'} and "
+                           f"torch {torch_version}")
+
+
+def test_a_release_outside_the_supported_range_is_refused_at_install_before_anything_is_patched(monkeypatch):
+    """It used to get a note at most (0.21) or fail somewhere inside Megatron's imports (0.16)."""
+    from megatron_offload import compat
+
+    monkeypatch.setattr(megatron_wiring, "_installed", False)
+    monkeypatch.setattr(megatron_wiring, "_patch", lambda *a: pytest.fail("patched before the version check"))
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.16.1")
+    monkeypatch.delenv(compat.ALLOW_UNSUPPORTED_ENV, raising=False)
+    with pytest.raises(compat.UnsupportedVersionError) as err:
+        megatron_offload.install()
+    text = str(err.value)
+    assert "\n" not in text
+    assert "supports megatron-core 0.17 to 0.19 and torch 2.8 to 2.14" in text
+    assert f"found megatron-core 0.16.1 and torch {compat.torch_version()}" in text
+    assert isinstance(err.value, compat.IncompatibleMegatronError)  # (what the launcher reports)
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: "0.19.2")
+    monkeypatch.setattr(compat, "torch_version", lambda: "2.15.0")
+    with pytest.raises(compat.UnsupportedVersionError, match="found megatron-core 0.19.2 and torch 2.15.0"):
+        megatron_offload.install()
+    monkeypatch.setenv(compat.ALLOW_UNSUPPORTED_ENV, "1")  # the way to try one anyway: a note
+    assert "torch 2.15.0 (trying anyway: MEGATRON_OFFLOAD_ALLOW_UNSUPPORTED=1)" in compat.check_versions()
+
+
+def test_the_launcher_refuses_an_unsupported_release_in_one_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('TRAINING RAN')\n")
+    launch = ("import sys, megatron_offload.compat as c; c.megatron_core_version = lambda: '0.20.0'; "
+              "from megatron_offload.__main__ import main; main(sys.argv[1:])")
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("MEGATRON_OFFLOAD_ALLOW_UNSUPPORTED", None)
+    out = subprocess.run([sys.executable, "-c", launch, str(script), "--offload-optimizer-states"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1 and "TRAINING RAN" not in out.stdout
+    assert "Traceback" not in out.stderr
+    line = [x for x in out.stderr.splitlines() if x.startswith("megatron_offload: ")]
+    assert len(line) == 1 and "found megatron-core 0.20.0 and torch" in line[0], out.stderr[-2000:]
+    assert "supports megatron-core 0.17 to 0.19 and torch 2.8 to 2.14" in line[0]
+    env["MEGATRON_OFFLOAD_ALLOW_UNSUPPORTED"] = "1"
+    out = subprocess.run([sys.executable, "-c", launch, str(script)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0 and "TRAINING RAN" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_megatron_that_does_not_import_is_one_clear_error(monkeypatch):
+    """megatron.training of megatron-core 0.17 and 0.18 imports PyYAML, which the wheel does not declare:
+    a bare ModuleNotFoundError from deep inside Megatron's imports became one line with the fix."""
+    import builtins
+
+    from megatron_offload import compat
+
+    real_import = builtins.__import__
+
+    def no_yaml(name, *a, **k):
+        if name == "megatron.training.arguments":
+            raise ModuleNotFoundError("No module named 'yaml'", name="yaml")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_yaml)
+    with pytest.raises(compat.IncompatibleMegatronError) as err:
+        compat.import_training_modules()
+    assert str(err.value).startswith("megatron-offload cannot import Megatron's training loop (megatron-core ")
+    assert ("No module named 'yaml' (megatron.training of megatron-core 0.17 and 0.18 needs PyYAML: "
+            "pip install pyyaml)") in str(err.value)
+    assert err.value.__cause__ is None and err.value.__suppress_context__
 
 
 def test_launcher_help_lists_every_flag_with_its_default():
@@ -375,17 +483,19 @@ def test_turning_on_expandable_segments_warns_nothing_of_ours(monkeypatch):
     assert "turned on PyTorch's expandable segments" in note
 
 
-def test_a_megatron_script_help_works_on_megatron_core_0_19(tmp_path):
-    """`megatron-offload SCRIPT --help` used to crash in argparse on an upstream help string with a
-    bare '%' (upstream_fixes.mend_help_strings)."""
+def test_a_megatron_script_help_works(tmp_path):
+    """`megatron-offload SCRIPT --help` used to crash in argparse on megatron-core 0.19.2, on an upstream
+    help string with a bare '%' (upstream_fixes.mend_help_strings)."""
     import megatron.training.arguments as arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     arguments.add_megatron_arguments(parser)  # (wrapped by install(): mended)
     text = parser.format_help()
-    assert "--offload-optimizer-states" in text and "--moe-paged-stash-buffer-size-factor-cuda" in text
+    assert "--offload-optimizer-states" in text
+    if "--moe-paged-stash-buffer-size-factor-cuda" in parser._option_string_actions:  # (0.19: the bare '%')
+        assert "--moe-paged-stash-buffer-size-factor-cuda" in text
     script = tmp_path / "train.py"
-    script.write_text("from megatron.training.arguments import parse_and_validate_args\nparse_and_validate_args()\n")
+    script.write_text(PARSE_AND_VALIDATE + "parse_and_validate_args()\n")
     out = subprocess.run([sys.executable, "-m", "megatron_offload", str(script), "--help"], capture_output=True,
                          text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
