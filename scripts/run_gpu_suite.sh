@@ -54,7 +54,9 @@ status=0
 for stage in $STAGES; do
   case $stage in
     unit)
-      within_budget python3 -m pytest -q -m gpu -p no:cacheprovider tests/unit 2>&1 | tee "$OUT/gpu_unit.log" || status=1 ;;
+      # UNIT_ARGS: other pytest arguments (e.g. -rP, or test files) instead of tests/unit.
+      # shellcheck disable=SC2086
+      within_budget python3 -m pytest -q -m gpu -p no:cacheprovider ${UNIT_ARGS:-tests/unit} 2>&1 | tee "$OUT/gpu_unit.log" || status=1 ;;
     functional)
       # FUNCTIONAL_SETS="name=ARGS|name2=ARGS2" runs the suite once per set (e.g. one per optimizer
       # configuration), each with its own directory, log and summary; else once with FUNCTIONAL_ARGS.
