@@ -1217,6 +1217,19 @@ def te_resume(opt):
     opt.load_state_dict({**opt.state_dict(), "param_state": saved})
 
 
+def te_offloaded(opt):
+    """A coordinator driving `opt` (a stand-in with TE's checkpoint API) as the Megatron wiring
+    does: its state readers and writers wrapped, the state sent out before the first step."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    te_checkpoint_api(opt)
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    return coord, off
+
+
 @pytest.mark.parametrize("config", ["fp32-master", "int16-remainders-bf16-moments", "fp16-moments"])
 def test_a_te_checkpoint_load_rebuilds_the_state_which_is_sent_out_again(config):
     """TE's `load_state_dict` replaces every state tensor by a new one (megatron-core runs it in
@@ -1224,17 +1237,11 @@ def test_a_te_checkpoint_load_rebuilds_the_state_which_is_sent_out_again(config)
     tensors and sends them out, and training goes on as without offloading. TE's round trip keeps
     fp32 masters, int16 remainders and bf16 moments exactly (a resume changes nothing); fp16
     moments are re-scaled."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
-
     kw = {"fp32-master": {}, "fp16-moments": dict(moment_dtype=torch.float16),
           "int16-remainders-bf16-moments": dict(store_param_remainders=True, moment_dtype=torch.bfloat16)}[config]
     plain, ref, opt = (FakePrecisionAwareDistOpt(**kw) for _ in range(3))
-    for o in (ref, opt):
-        te_checkpoint_api(o)
-    coord = make_coord()
-    off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
-    coord.offload_existing_state()
+    te_checkpoint_api(ref)
+    coord, off = te_offloaded(opt)
     for step in range(2):
         for o, c in ((plain, None), (ref, None), (opt, coord)):
             one_iteration(o, c, step)
@@ -1270,16 +1277,10 @@ def test_a_te_save_reads_the_host_copies_unless_unscaling_needs_a_gpu_scale(mome
     the host copies, nothing comes back. fp16 moments are multiplied by their scale, a GPU tensor
     in `optimizer._scales` that is never offloaded: on the GPU a host copy times it fails ("Expected
     all tensors to be on the same device"), so the save gets the state back first."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
-
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[moments]
     ref, opt = FakePrecisionAwareDistOpt(moment_dtype=dtype), FakePrecisionAwareDistOpt(moment_dtype=dtype)
-    for o in (ref, opt):
-        te_checkpoint_api(o)
-    coord = make_coord()
-    off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
-    coord.offload_existing_state()
+    te_checkpoint_api(ref)
+    coord, off = te_offloaded(opt)
     for step in range(2):
         one_iteration(ref, None, step)
         one_iteration(opt, coord, step)
