@@ -86,10 +86,11 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         model chunks), read when a backward begins, to know when no forward follows; None: the
         reloads start at `grads_finalizing`. `smallest_in_group`: the minimum of a number over the
         ranks that step in lockstep with this one (a collective), for the automatic fraction."""
-        if device is None:
+        device = torch.device("cuda") if device is None else torch.device(device)
+        if device.type == "cuda" and device.index is None:  # ("cuda": the current device, by index)
             device = torch.device("cuda", torch.cuda.current_device())
         self.config = config
-        self.device = torch.device(device)
+        self.device = device
         self.streams = CopyStreams(self.device, timing=config.timing)
         self.expected_forwards = expected_forwards_per_iteration
         self._smallest_in_group = smallest_in_group

@@ -67,9 +67,16 @@ class Discovery:
         return sum(t.nbytes for t in self.tensors)
 
 
+def same_device(actual: torch.device, wanted: torch.device) -> bool:
+    """`actual` is `wanted`, where `wanted` without an index ("cuda") means any of its type: a
+    tensor on "cuda:0" is not `== torch.device("cuda")`, and a coordinator built with
+    device="cuda" once found none of the state a load had created."""
+    return actual.type == wanted.type and (wanted.index is None or actual.index == wanted.index)
+
+
 def _on_device(t: object, device: torch.device) -> bool:
     """On the accelerator, or a placeholder for state to be created there (meta)."""
-    return isinstance(t, torch.Tensor) and (t.device == device or t.is_meta)
+    return isinstance(t, torch.Tensor) and (same_device(t.device, device) or t.is_meta)
 
 
 def _check_exact(name: str, t: torch.Tensor) -> None:

@@ -1572,3 +1572,13 @@ def test_hooks_out_of_order_raise_and_extra_forwards_keep_the_reload_window():
     assert coord.it.state is IterationState.STEPPING
     with pytest.raises(IllegalTransition, match="stepping -> first_forward|stepping -> later_forwards"):
         coord.forward_begin(True)  # a forward inside the optimizer step
+
+
+def test_a_device_without_index_matches_its_tensors():
+    """Tensors live on "cuda:0"; a coordinator built with device="cuda" must still find them."""
+    from megatron_offload.discovery import same_device
+
+    cuda, cuda0, cuda1 = torch.device("cuda"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert same_device(cuda0, cuda) and same_device(cuda1, cuda)
+    assert same_device(cuda0, cuda0) and not same_device(cuda1, cuda0)
+    assert not same_device(CPU, cuda) and same_device(CPU, CPU)
