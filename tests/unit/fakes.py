@@ -289,8 +289,16 @@ class FakePrecisionAwareDistOpt:
 
     def __init__(self, numels=(300, 1000, 4096), store_param_remainders=False,
                  moment_dtype=torch.float32, seed=0, **te_kwargs):
+        shards = self._lay_out(numels, seed, torch.device("cpu"))
+        self.optimizer = TEFusedAdamStandIn(
+            [{"params": shards}], moment_dtype=moment_dtype,
+            store_param_remainders=store_param_remainders, **te_kwargs)
+        self.is_stub_optimizer = False
+
+    def _lay_out(self, numels, seed, device):
+        """bf16 shard params, views into one buffer on `device` (same values on any device)."""
         g = torch.Generator().manual_seed(seed)
-        self.bf16_param_buffer = torch.randn(sum(numels), generator=g).to(torch.bfloat16)
+        self.bf16_param_buffer = torch.randn(sum(numels), generator=g).to(torch.bfloat16).to(device)
         shards, off = [], 0
         for n in numels:
             shards.append(self.bf16_param_buffer[off : off + n])
@@ -298,10 +306,7 @@ class FakePrecisionAwareDistOpt:
         self.shard_float16_groups = [shards]
         self.shard_fp32_from_float16_groups = [[None] * len(shards)]
         self.shard_fp32_groups = [[]]
-        self.optimizer = TEFusedAdamStandIn(
-            [{"params": shards}], moment_dtype=moment_dtype,
-            store_param_remainders=store_param_remainders, **te_kwargs)
-        self.is_stub_optimizer = False
+        return shards
 
     def all_params(self):
         return self.optimizer.param_groups[0]["params"]

@@ -45,15 +45,7 @@ class TEDistOpt(FakePrecisionAwareDistOpt):
 
     def __init__(self, numels=NUMELS, store_param_remainders=False, moment_dtype=torch.float32, seed=0,
                  exp_avg_dtype=None, exp_avg_sq_dtype=None, master_weight_dtype=torch.float32):
-        g = torch.Generator().manual_seed(seed)
-        self.bf16_param_buffer = torch.randn(sum(numels), generator=g).to(torch.bfloat16).to(CUDA)
-        shards, off = [], 0
-        for n in numels:
-            shards.append(self.bf16_param_buffer[off : off + n])
-            off += n
-        self.shard_float16_groups = [shards]
-        self.shard_fp32_from_float16_groups = [[None] * len(shards)]
-        self.shard_fp32_groups = [[]]
+        shards = self._lay_out(numels, seed, CUDA)
         self.optimizer = FusedAdam(
             [{"params": shards}], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
             adam_w_mode=True, master_weights=True, use_decoupled_grad=True,
