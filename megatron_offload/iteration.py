@@ -27,7 +27,6 @@ class IterationState(enum.Enum):
     STEPPING = "stepping"  # inside an inner optimizer step
 
 
-_ANY_FORWARD = {IterationState.FIRST_FORWARD, IterationState.LATER_FORWARDS}
 _BETWEEN = {IterationState.STARTUP, IterationState.AFTER_STEP}
 
 # state -> the states it may move to. A forward after the reload window opened (more forwards
@@ -81,10 +80,6 @@ class IterationRecord:
                 f"megatron-offload: {self.state.value} -> {new.value} is not a step of any training iteration "
                 f"(forwards {self.forwards}, backwards {self.backwards}); the loop calls the hooks out of order")
         self.state = new
-
-    @property
-    def forwarding(self) -> bool:
-        return self.state in _ANY_FORWARD
 
     @property
     def between_steps(self) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 from .chunks import ChunkState
-from .iteration import IterationState
 from .phase import Phase
 
 
@@ -98,7 +97,7 @@ class PhaseSwitch:
             problem = "the coordinator is closed"
         elif self._accesses:
             problem = "a checkpoint access is in progress"
-        elif self.config.per_step and self.it.state not in (IterationState.STARTUP, IterationState.AFTER_STEP):
+        elif self.config.per_step and not self.it.between_steps:
             problem = f"the training iteration is in progress ({self.it.state.value})"
         elif any(off.kept_bytes for off in self.offloaders):
             problem = "part of the state is kept resident (--offload-state-fraction below 1)"
