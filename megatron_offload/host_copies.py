@@ -14,14 +14,21 @@ from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
 class HostCopies:
     """Readers and writers on the host copies of offloaded chunks (module docstring)."""
 
-    def expose_host_copies(self) -> int:
+    def expose_host_copies(self, private: bool = False) -> int:
         """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
         at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
         checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
         until the next forward (`hide_host_copies`) or reload (`start_copy_in`), so a save that
         reads them after the reader returned (dist-checkpointing writes after
-        `sharded_state_dict`) still finds them. Returns the number of chunks exposed."""
-        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host]
+        `sharded_state_dict`) still finds them. Returns the number of chunks exposed.
+
+        `private`: point them at a pageable copy of the host copy instead (one per chunk, owned by
+        whoever keeps the tensors), for a reader that outlives the step: an asynchronous save's
+        writer reads after training went on, when the next copy-out rewrites the pinned buffer,
+        and in a forked writer the pinned buffer does not exist (`MADV_DONTFORK`, host_buffer.py).
+        A writer (`private=False`) always gets the pinned buffer itself, also where a reader left
+        private copies exposed."""
+        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host or (c.private and not private)]
         if not chunks:
             return 0
         if self.device.type == "cuda":
@@ -29,11 +36,12 @@ class HostCopies:
             # them before the chunks were freed; the host never did.
             self.streams.d2h.synchronize()
         for chunk in chunks:
-            # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
-            # storage is re-allocated: keep them for `hide_host_copies`.
-            chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
-            self._point_at(chunk, chunk.host)
-            chunk.on_host = True
+            if not chunk.on_host:
+                # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
+                # storage is re-allocated: keep them for `hide_host_copies`.
+                chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
+            self._point_at(chunk, chunk.host.clone() if private else chunk.host)
+            chunk.on_host, chunk.private = True, private
         return len(chunks)
 
     def host_reads_supported(self) -> bool:
@@ -122,7 +130,7 @@ class HostCopies:
             for st, view in zip(chunk.tensors, chunk.gpu_views):
                 st.tensor.data = view
             chunk.gpu_views = None
-            chunk.on_host = False
+            chunk.on_host = chunk.private = False
         return len(chunks)
 
     @staticmethod

@@ -137,4 +137,6 @@ def config_from_args(args) -> OffloadConfig:
         timing=not args.offload_no_timing,
         # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
         host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
+        # An asynchronous save's writer reads after the next step (expose_host_copies).
+        private_host_reads=bool(getattr(args, "async_save", False)),
     ), **DIAGNOSTICS)

@@ -50,7 +50,7 @@ class StateAccess:
         on_host = on_host and off.host_reads_supported()
         if on_host and not will_modify:
             kind = Access.HOST_READ
-            off.expose_host_copies()
+            off.expose_host_copies(private=self.config.private_host_reads)
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
             if off in self._copy_out_due:
@@ -99,8 +99,8 @@ class StateAccess:
 
     def _hide_host_copies(self) -> None:
         """A save that read state on the host (`before_state_access`) has finished writing by the
-        next forward (Megatron's save is synchronous; async save is refused), and so has a load
-        that wrote there: the tensors still off the GPU point back at their GPU buffers before
+        next forward (a synchronous save; an asynchronous one reads private copies, which it
+        keeps), and so has a load that wrote there: the tensors still off the GPU point back at their GPU buffers before
         anything treats them as GPU tensors."""
         if self._accesses:
             return  # still inside a reader or writer

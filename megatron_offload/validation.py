@@ -110,12 +110,6 @@ def problems(args) -> List[str]:
             "schedule functions the plugin paces itself by, so the state would never leave the GPU. "
             f"Drop one of them."
         )
-    if _get(args, "async_save", False):
-        out.append(
-            f"{FLAG} does not support --async-save yet: the background writer may still read "
-            "optimizer state that the next step frees. Use synchronous saves (drop --async-save) "
-            f"or drop {FLAG}."
-        )
     return out
 
 

@@ -188,18 +188,6 @@ def replay(name, nproc, out):
     return {"name": name, "ranks": ranks, "seconds": 0.0, "host": host_summary(name, out)}
 
 
-def replay_failure(name, out):
-    """(exit code, log, seconds) of a finished run expected to fail, read back."""
-    log = open(os.path.join(out, f"{name}.log")).read()
-    path = os.path.join(out, f"{name}.exit")
-    if os.path.exists(path):
-        code = int(open(path).read())
-    else:  # runs recorded before .exit files: torchrun's own report of the failed rank
-        m = re.search(r"failed \(exitcode: (-?\d+)\)", log)
-        code = int(m.group(1)) if m else 0
-    return code, log, 0.0
-
-
 def launch(name, args, nproc, out, script=MOCK_SCRIPT, timeout=600, env_extra=None):
     code, elapsed, record = _launch_with_fresh_port(name, args, nproc, out, script, env_extra, timeout)
     if code != 0:

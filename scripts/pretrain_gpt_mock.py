@@ -30,6 +30,7 @@ import hashlib
 import dataclasses
 import json
 import os
+import sys
 import time
 from functools import partial
 
@@ -352,6 +353,12 @@ class Recorder:
                 raise
             if self.memhist:
                 self.dump_memhist()
+            if os.environ.get("MEGATRON_OFFLOAD_PHASE_BENCH"):  # benchmarks/tools/phase_switch_bench.py
+                sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                "benchmarks", "tools"))
+                import phase_switch_bench
+
+                self.phase_bench = phase_switch_bench.measure(optimizer, int(os.environ["MEGATRON_OFFLOAD_PHASE_BENCH"]))
             self.write()
             return out
 
@@ -363,8 +370,11 @@ class Recorder:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             off_gpu = _offloaded_bytes_now()
+            t0 = time.perf_counter()
             out = save_checkpoint(*a, **k)
+            seconds = time.perf_counter() - t0  # what training waits for (--async-save: the scheduling)
             self.saves.append({"allocated_before": before, "max_allocated": torch.cuda.max_memory_allocated(),
+                               "seconds": seconds,
                                "max_reserved": torch.cuda.max_memory_reserved(),
                                "offloaded_before": off_gpu,  # state bytes off the GPU when the save began
                                "after_iteration": len(self.iterations)})
@@ -523,6 +533,7 @@ class Recorder:
                     "state_at": self.state_at,
                     "startup_peak": self.startup_peak,
                     "saves": self.saves,
+                    "phase_bench": getattr(self, "phase_bench", None),
                     "timeline": self.timelines[0] if self.timelines else None,  # (the first; readers of old records)
                     "timelines": self.timelines,
                     "adam_state_bytes": self.adam_state_bytes(),

@@ -9,7 +9,8 @@
 #   5. optionally the side-by-side benchmark (BENCH=r1|small),
 #   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS,
 #   7. optionally `hostprobe` (benchmarks/tools/host_memory_probe.py: pinned memory and forked children),
-#   8. optionally `sweep` (scripts/sweep.py, SWEEP_ARGS) and `maxfit` (scripts/max_fit.py, MAXFIT_ARGS).
+#   8. optionally `sweep` (scripts/sweep.py, SWEEP_ARGS) and `maxfit` (scripts/max_fit.py, MAXFIT_ARGS),
+#   9. optionally `phase` (benchmarks/tools/phase_switch_bench.py, PHASE_ARGS: phase switches, three ways).
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
 # *.json summaries and logs.tgz (every run log and record, benchmark plots; no checkpoints).
 #
@@ -94,6 +95,11 @@ for stage in $STAGES; do
     maxfit)
       within_budget python3 scripts/max_fit.py --nproc "$NPROC" --out "$WORK/maxfit" ${MAXFIT_ARGS:---cap-gib 40} 2>&1 \
         | tee "$OUT/max_fit.log" || status=1 ;;
+    phase)
+      # benchmarks/tools/phase_switch_bench.py: whole-state phase switches, three ways (PHASE_ARGS).
+      within_budget python3 benchmarks/tools/phase_switch_bench.py --out "$WORK/phase" ${PHASE_ARGS:-} 2>&1 \
+        | tee "$OUT/phase_switch.log" || status=1
+      cp "$WORK/phase/phase_switch.json" "$OUT/" 2>/dev/null ;;
     hostprobe)
       within_budget python3 benchmarks/tools/host_memory_probe.py --out "$OUT/host_probe.json" ${HOSTPROBE_ARGS:-} 2>&1 \
         | tee "$OUT/host_probe.log" || status=1 ;;

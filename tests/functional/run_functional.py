@@ -11,6 +11,8 @@ scripts/pretrain_gpt_mock.py; --script mock|upstream|PATH chooses. Runs (mock da
   offload_chunked   --offload-chunked-step with a 64 MiB step budget: its saves happen with state
                     off the GPU, so they test the bounded save
   resume_offload    offload, resumes the offload run's checkpoint at iters/2
+  resume_chunked    offload_chunked, resumes the offload_chunked run's checkpoint (saved with state
+                    off the GPU; with --extra=--async-save, by a writer that ran on during training)
   resume_plain      no offload, resumes the offload run's checkpoint   (checkpoint interchange)
   plain_to_offload  offload, resumes the baseline's checkpoint        (checkpoint interchange)
   crash             offload, saves at iters/2, then every rank SIGKILLs itself mid-iteration 2
@@ -107,6 +109,7 @@ def compare_runs(runs, printed, iters, nproc):
                     check(f"{name}: rank {r} checkpoint save reads what is off the GPU from the host",
                           *save_growth_check(br, orr))
     for name, ref, source in (("resume_offload", "offload", "offload"),
+                              ("resume_chunked", "offload_chunked", "offload_chunked"),
                               ("resume_plain", "offload", "offload"),
                               ("plain_to_offload", "baseline", "baseline"),
                               ("resume_after_crash", "offload", "crash")):
@@ -118,13 +121,14 @@ def compare_runs(runs, printed, iters, nproc):
             for r in range(nproc):
                 check(f"{name}: rank {r} final params identical",
                       runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
-            if name != "resume_plain" and "offload" in runs:
+            fresh_run = "offload_chunked" if name == "resume_chunked" else "offload"
+            if name != "resume_plain" and fresh_run in runs:
                 # The plugin attaches before the resume's load, which writes into the host copies:
                 # start-up holds no more than a fresh start with offloading (a quarter of the state
                 # of slack; the moments that a load on the GPU allocates are two thirds of it).
                 for r in range(nproc):
                     rank = runs[name]["ranks"][r]
-                    fresh, resumed = (runs[n]["ranks"][r]["startup_peak"]["max_allocated"] for n in ("offload", name))
+                    fresh, resumed = (runs[n]["ranks"][r]["startup_peak"]["max_allocated"] for n in (fresh_run, name))
                     state = rank.get("offloaded_bytes", 0)
                     detail = (f"(start-up peak {resumed / 2**30:.2f} GiB, fresh start {fresh / 2**30:.2f} GiB, "
                               f"state {state / 2**30:.2f} GiB)")
@@ -179,6 +183,8 @@ def main(argv=None):
             "--offload-chunked-step", "--offload-step-budget-mb", "64"],
         "no_plugin": base,
         "resume_offload": base + resume("offload") + offload,
+        "resume_chunked": base + resume("offload_chunked") + offload + [
+            "--offload-chunked-step", "--offload-step-budget-mb", "64"],
         "resume_plain": base + resume("offload"),
         "plain_to_offload": base + resume("baseline") + offload,
         "resume_after_crash": base + resume("crash") + offload,
@@ -209,14 +215,15 @@ def main(argv=None):
         check(what, ok, detail)
 
     print("\n| case | seconds | peak reserved GiB per rank | offloaded GiB per rank | pinned GiB per rank | "
-          "host MemAvailable drop GiB |")
-    print("|---|---|---|---|---|---|")
+          "host MemAvailable drop GiB | save s (blocking) |")
+    print("|---|---|---|---|---|---|---|")
     for name, run in runs.items():
         print(f"| {name} | {run['seconds']:.0f} | "
               + ", ".join(f"{x / 2**30:.2f}" for x in peak_reserved(run)) + " | "
               + ", ".join(f"{r.get('offloaded_bytes', 0) / 2**30:.3f}" for r in run["ranks"]) + " | "
               + ", ".join(f"{r.get('pinned_bytes', 0) / 2**30:.3f}" for r in run["ranks"]) + " | "
-              + f"{(run.get('host') or {}).get('drop', 0) / 2**30:.2f} |")
+              + f"{(run.get('host') or {}).get('drop', 0) / 2**30:.2f} | "
+              + ", ".join(f"{sv['seconds']:.2f}" for sv in run["ranks"][0].get("saves", []) if "seconds" in sv) + " |")
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")
     with open(os.path.join(opts.out, "functional_summary.json"), "w") as f:

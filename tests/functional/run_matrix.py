@@ -16,7 +16,8 @@ default) and compare with the uninterrupted run:
   no_load_optim     --no-load-optim, without and with offload (masters rebuilt from the params)
   finetune          --finetune, without and with offload (iteration and optimizer start afresh)
 
-`async-save` checks that --async-save is refused at argument validation with the plugin's message.
+`dp2-async-chunked` saves with --async-save in the middle of chunked training (the background writer
+reads private copies of what is off the GPU while training goes on) and resumes from it.
 
 Runs are independent processes, so they run concurrently: up to --runs-per-gpu ranks share a GPU
 (CUDA_VISIBLE_DEVICES: two-GPU runs on pairs, four-GPU runs on all), and the runs of a case that do
@@ -40,9 +41,8 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import megatron_runs  # noqa: E402
 from megatron_runs import model_args, reserved_saving_check, run_losses as losses, run_peak, save_growth_check  # noqa: E402
 
-# Swapped for megatron_runs.replay / replay_failure by --from-records.
+# Swapped for megatron_runs.replay by --from-records.
 launch = megatron_runs.launch
-launch_expecting_failure = megatron_runs.launch_expecting_failure
 
 SMALL = dict(layers=4, hidden=512, heads=8, seq=512, mbs=2, gbs=16)
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
@@ -71,7 +71,8 @@ CASES = {
     # (Sequence 2048: at 512 the step's temporaries are within a few MiB of the activation peak
     # and 82 MiB of state per rank left reserved memory equal, 0.71 -> 0.71 GiB.)
     "dp4-clip": (4, ["--clip-grad", "0.3"], {"seq": 2048}, ("resume_offload", "resume_plain", "plain_to_offload")),
-    "async-save": (2, [], {}, ()),
+    # --async-save with the chunked step: the writer runs on while the next steps copy out.
+    "dp2-async-chunked": (2, ["--async-save"], {}, ("resume_offload",)),
 }
 # The chunked optimizer step (--offload-chunked-step) on the layouts where the step is the
 # small model's memory peak (PP stages) and on a chain of two DistributedOptimizers.
@@ -134,21 +135,8 @@ def together(*calls):
         return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
-def run_async_save_case(name, out, slots):
-    """--async-save must be refused before anything starts, with the plugin's message."""
-    args = model_args(4, **SMALL) + ["--async-save", "--save", os.path.join(out, f"ckpt_{name}")] + OFFLOAD
-    nproc = CASES[name][0]
-    code, log, seconds = slots.run(lambda env: launch_expecting_failure(name, args, nproc, out, env_extra=env), nproc)
-    ok = code != 0 and "--async-save" in log and "megatron-offload refuses" in log
-    first = next((line for line in log.splitlines() if "--async-save" in line), "")
-    return {"case": name, "gpus": CASES[name][0], "seconds": seconds,
-            "checks": [("refused at validation with the plugin's message", ok, f"exit {code}: {first.strip()[:160]}")]}
-
-
 def run_case(name, iters, out, slots):
     nproc, extra, overrides, ckpt_runs = CASES[name]
-    if name == "async-save":
-        return run_async_save_case(name, out, slots)
 
     def start(run_name, args):
         return lambda: slots.run(lambda env: launch(run_name, args, nproc, out, env_extra=env), nproc)
@@ -271,10 +259,8 @@ def main(argv=None):
                    help="launch nothing: re-evaluate the checks on the records of a finished matrix in --out")
     opts = p.parse_args(argv)
     if opts.from_records:
-        global launch, launch_expecting_failure
+        global launch
         launch = lambda name, args, nproc, out, env_extra=None: megatron_runs.replay(name, nproc, out)  # noqa: E731
-        launch_expecting_failure = lambda name, args, nproc, out, env_extra=None: (  # noqa: E731
-            megatron_runs.replay_failure(name, out))
     os.makedirs(opts.out, exist_ok=True)
     requested = opts.cases.split(",")
     unknown = [c for c in requested if c not in CASES]

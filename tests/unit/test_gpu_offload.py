@@ -416,6 +416,40 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16, delay_cycles):
 
 
 @DELAYS
+def test_an_async_save_keeps_its_values_while_the_next_copy_outs_run(delay_cycles):
+    """--async-save (private_host_reads): a save after a chunked step keeps what it read of the
+    offloaded chunks (as dist-checkpointing's background writer keeps `.detach()`ed tensors),
+    while the next steps copy new values out into the pinned buffer, under copy-stream delays:
+    what it kept is still the state of the save, held in private pageable copies, and training
+    stays bit-exact."""
+    ref_losses, _, ref_digest = reference()
+    torch.cuda.empty_cache()
+    model, optimizer = build()
+    coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=True, chunk_bytes=8 * 2**20,
+                   private_host_reads=True)
+    slot = max(c.gpu_nbytes for off in coord.offloaders for c in off.chunks)
+    coord.step_budget_bytes = 2 * slot
+    kept = []
+
+    def save(step):
+        if step != 2:
+            return
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
+            chunks = [c for off in coord.offloaders for c in off.chunks if c.on_host]
+            tensors = [st.tensor.detach() for c in chunks for st in c.tensors]
+            kept.extend((t, t.clone()) for t in tensors)
+        assert chunks and all(c.private for c in chunks)
+        pinned = {c.host.untyped_storage().data_ptr() for off in coord.offloaders for c in off.chunks}
+        assert not any(t.untyped_storage().data_ptr() in pinned or t.is_pinned() for t, _ in kept)
+
+    losses, _ = train(model, optimizer, coord, between_steps=save)
+    assert kept and all(torch.equal(t, v) for t, v in kept)
+    assert losses == ref_losses
+    assert digest(model, optimizer, coord) == ref_digest
+    coord.close()
+
+
+@DELAYS
 def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path, delay_cycles):
     """A torch_dist checkpoint (megatron.core.dist_checkpointing, dp_reshardable as Megatron
     saves it) loaded into a running, offloading DistributedOptimizer: the template's tensors are

@@ -521,3 +521,15 @@ def test_flags_become_a_frozen_config_and_the_product_reads_no_diagnostic_variab
     assert megatron_args.config_from_args(args).host_waits_at_free
     with pytest.raises(ValueError, match="release point"):
         OffloadConfig(release_at={"sometime"})
+
+
+def test_async_save_and_fully_parallel_load_reach_the_config():
+    import argparse
+
+    from megatron_offload import megatron_args
+
+    args = megatron_args.add_flags(argparse.ArgumentParser()).parse_args(["--offload-optimizer-states"])
+    assert not megatron_args.config_from_args(args).private_host_reads
+    args.async_save, args.ckpt_fully_parallel_load = True, True
+    config = megatron_args.config_from_args(args)
+    assert config.private_host_reads and not config.host_loads
