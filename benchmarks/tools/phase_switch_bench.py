@@ -130,7 +130,7 @@ def main(argv=None):
     p.add_argument("--out", default="/tmp/megatron_offload_phase")
     p.add_argument("--rounds", type=int, default=10, help="plugin round trips (Megatron's: at most 3)")
     p.add_argument("--gbs", type=int, default=8)
-    p.add_argument("--iters", type=int, default=3, help="training iterations before the switches")
+    p.add_argument("--iters", type=int, default=5, help="training iterations before the switches (> the 3 warm-up iterations of the lr schedule)")
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
     args = model_args(opts.iters, layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=opts.gbs)
