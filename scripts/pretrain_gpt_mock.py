@@ -2,6 +2,8 @@
 
 It parses arguments with `parse_and_validate_args` and calls `pretrain(cfg_container, ...)`, exactly
 the two calls megatron-offload hooks in the upstream script; it knows nothing about offloading.
+On megatron-core 0.17 and 0.18, which lack 0.19's helpers, it calls `pretrain` as those releases'
+own pretrain_gpt.py does instead (see `main`).
 Launch it through the plugin's launcher:
 
     torchrun --nproc-per-node 2 -m megatron_offload scripts/pretrain_gpt_mock.py <megatron args>
@@ -43,9 +45,19 @@ from megatron.core.enums import ModelType
 from megatron.core.utils import get_attr_wrapped_model
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.training import get_args, pretrain
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
+
+# `pretrain` changed shape in each supported release; the installed release's own helpers are used
+# where it has them (see `main`):
+try:  # 0.19: the model is described by a GPTModelConfig in the config container
+    from megatron.training.argument_utils import gpt_config_from_args
+except ImportError:  # 0.17, 0.18: no GPTModelConfig; pretrain takes `model_provider` below
+    gpt_config_from_args = None
+try:  # 0.18 and later: the script parses the arguments and builds the config container
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+except ImportError:  # 0.17: pretrain parses the arguments itself (initialize_megatron)
+    pretrain_cfg_container_from_args = parse_and_validate_args = None
 
 BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),
               ("position_ids", torch.int64))
@@ -87,6 +99,50 @@ def forward_step(data_iterator, model):
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, vp_stage)
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
+
+
+def gpt_layer_spec(config, vp_stage=None):
+    """The layer spec megatron-core 0.19's GPTModelBuilder picks (default_layer_spec), for 0.17 and
+    0.18 (no GPTModelConfig there), for the models this project runs: dense or MoE, local or TE
+    layers (not reproduced: experimental attention, heterogeneous, inference or ModelOpt specs)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    use_te = config.transformer_impl == "transformer_engine"
+    if config.num_moe_experts is not None:
+        return specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=config.normalization,
+            qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
+            qk_l2_norm=config.qk_l2_norm, use_te_activation_func=config.use_te_activation_func)
+    return specs.get_gpt_layer_local_spec(
+        qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention,
+        normalization=config.normalization, qk_l2_norm=config.qk_l2_norm)
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """The GPT model on megatron-core 0.17 and 0.18, whose `pretrain` takes a model provider (called
+    with these keywords) instead of 0.19's GPTModelConfig: the model 0.19's GPTModelBuilder builds
+    from the same arguments."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    if args.spec is not None or args.yaml_cfg is not None or args.mtp_num_layers is not None:
+        raise NotImplementedError("pretrain_gpt_mock.py on megatron-core < 0.19: no --spec, --yaml-cfg or MTP")
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config, transformer_layer_spec=gpt_layer_spec(config, vp_stage), vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process, post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        vp_stage=vp_stage, pg_collection=pg_collection,
+    )
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -550,6 +606,26 @@ class Recorder:
             )
 
 
+def main():
+    """Parse the arguments and train, as the installed release's own pretrain_gpt.py calls `pretrain`."""
+    defaults = {"tokenizer_type": "NullTokenizer"}
+    datasets_provider.is_distributed = True
+    if parse_and_validate_args is None:  # 0.17: pretrain parses the arguments itself
+        pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step, args_defaults=defaults)
+        return
+    args = parse_and_validate_args(args_defaults=defaults)
+    if gpt_config_from_args is None:  # 0.18: a container without a model config (it warns), and a model provider
+        pretrain(pretrain_cfg_container_from_args(args), datasets_provider, model_provider,
+                 ModelType.encoder_or_decoder, forward_step)
+        return
+    pretrain(  # 0.19
+        pretrain_cfg_container_from_args(args, gpt_config_from_args(args)),
+        datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
+
+
 def _expandable_segments():
     flags = [seg.get("is_expandable") for seg in torch.cuda.memory_snapshot()]
     return None if not flags or None in flags else any(flags)
@@ -565,11 +641,4 @@ if __name__ == "__main__":
         recorder.install()
         if os.environ.get("MEGATRON_OFFLOAD_MEMHIST"):
             recorder.start_memhist()
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    datasets_provider.is_distributed = True
-    pretrain(
-        pretrain_cfg_container_from_args(args, gpt_config_from_args(args)),
-        datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-    )
+    main()

@@ -1,0 +1,233 @@
+"""scripts/pretrain_gpt_mock.py on the installed megatron-core (CI: 0.17.1, 0.18.2 and 0.19.2), on CPU.
+
+The script runs through the plugin's launcher in a subprocess (this file is its driver), with
+Megatron's `pretrain` replaced by a stand-in that binds the script's call to the real `pretrain`'s
+signature and then does on CPU what `pretrain` starts with: parses the arguments where `pretrain`
+does (0.17), builds the model as that release does (0.19: from the config container's
+GPTModelConfig; 0.17, 0.18: through the script's `model_provider`, called as `get_model` calls it),
+builds the mock datasets through the script's provider and runs one forward and backward pass
+through the script's `forward_step` (tensors meant for "cuda" stay on the CPU). On 0.19 the script's
+`model_provider` (what 0.17 and 0.18 train) must build the very model 0.19's GPTModelBuilder builds.
+"""
+
+import ast
+import contextlib
+import functools
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+MOCK = os.path.join(REPO, "scripts", "pretrain_gpt_mock.py")
+RESULT = "MOCK_ENTRY_RESULT "
+MBS, SEQ = 2, 32
+
+
+def _argv(case, tmp):
+    from benchmark import MOE
+    from megatron_runs import model_args
+
+    # The functional suite's arguments (tests/functional/run_functional.py), small.
+    argv = model_args(2, layers=2, hidden=64, heads=4, seq=SEQ, mbs=MBS, gbs=MBS) + [
+        "--deterministic-mode", "--log-interval", "1", "--save", tmp, "--save-interval", "1",
+        "--log-params-norm", "--offload-optimizer-states", "--use-cpu-initialization"]
+    if case == "moe":  # the benchmark's MoE preset; the alltoall dispatcher makes CUDA streams when built
+        argv += ["allgather" if a == "alltoall" else a for a in MOE]
+    return argv
+
+
+@pytest.mark.parametrize("case", ["dense", "moe"])
+def test_mock_script_trains_on_the_installed_megatron_core(tmp_path, case):
+    from megatron_runs import DETERMINISM_ENV  # (--deterministic-mode asks for NCCL_ALGO)
+
+    env = dict(os.environ, **DETERMINISM_ENV, WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+               MOCK_ENTRY_STORE=f"file://{tmp_path}/store",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    for var in ("MEGATRON_OFFLOAD_RECORD", "MEGATRON_OFFLOAD_MEMORY_FRACTION"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *_argv(case, str(tmp_path / "ckpt"))],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT)]
+    assert out.returncode == 0 and lines, (out.stdout[-2000:] + out.stderr[-4000:])
+    result = json.loads(lines[-1][len(RESULT):])
+    from megatron_offload import compat
+
+    if compat._release(result["megatron_core"]) >= (0, 19):
+        assert result["model_from"] == "GPTModelConfig"
+        assert result["model_provider_builds_the_same_model"] is True
+        assert result["te_layer_spec_call_the_same"] is True
+    else:
+        assert result["model_from"] == "model_provider"
+    assert result["batch_keys"] == ["tokens", "labels", "loss_mask", "position_ids"]
+    assert result["num_tokens"] == MBS * SEQ and math.isfinite(result["loss"]) and result["loss"] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver (run as a script by the test above)
+# ------------------------------------------------------------------------------------------------
+def _provider_keywords(get_model):
+    """The keyword sets `get_model` calls the model provider with, one per call site."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(get_model)))
+    return [[kw.arg for kw in node.keywords] for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "model_provider_func"]
+
+
+def _same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return ([type(m).__name__ for m in a.modules()] == [type(m).__name__ for m in b.modules()]
+            and sa.keys() == sb.keys()
+            and all(not isinstance(v, torch.Tensor) or v.equal(sb[k]) for k, v in sa.items()))
+
+
+@contextlib.contextmanager
+def _te_spec_calls(modules):
+    """Records the bound arguments of get_gpt_layer_with_transformer_engine_spec (which needs TE
+    itself to run) instead of calling it, wherever `modules` bind it."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    real, calls = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec, []
+
+    @functools.wraps(real)
+    def record(*a, **k):
+        bound = inspect.signature(real).bind(*a, **k)
+        bound.apply_defaults()
+        calls.append(dict(bound.arguments))
+
+    for module in modules:
+        module.get_gpt_layer_with_transformer_engine_spec = record
+    try:
+        yield calls
+    finally:
+        for module in modules:
+            module.get_gpt_layer_with_transformer_engine_spec = real
+
+
+class _OnCpu(torch.overrides.TorchFunctionMode):
+    """Tensors made or moved to "cuda" stay on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if str(a).startswith("cuda") else a for a in args)
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _pretrain_on_cpu(call, script):
+    """What `pretrain` starts with, on CPU, for the script's call (bound to the real signature)."""
+    from torch.utils.data import DataLoader
+
+    import megatron.training.training as training
+    from megatron.core import package_info, parallel_state, tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training import get_args, global_vars
+
+    assert call["model_type"] is ModelType.encoder_or_decoder
+    assert call["forward_step_func"] is script.forward_step
+    assert call["train_valid_test_dataset_provider"] is script.datasets_provider
+    assert script.datasets_provider.is_distributed
+    if global_vars._GLOBAL_ARGS is None:  # 0.17: pretrain parses them (initialize_megatron does this)
+        import megatron.training.initialize as init
+
+        args = init.parse_args(call["extra_args_provider"], False)
+        init.validate_args(args, call["args_defaults"])
+        init.set_global_variables(args)
+    args = get_args()
+    assert args.offload_optimizer_states and args.tokenizer_type == "NullTokenizer"
+    torch.distributed.init_process_group("gloo", init_method=os.environ["MOCK_ENTRY_STORE"], world_size=1, rank=0)
+    parallel_state.initialize_model_parallel()
+    values = {"pre_process": True, "post_process": True, "vp_stage": None, "config": None,
+              "pg_collection": ProcessGroupCollection.use_mpu_process_groups()}
+    calls = [{k: values[k] for k in keywords} for keywords in _provider_keywords(training.get_model)]
+    for kwargs in calls:  # every way get_model calls a model provider fits the script's
+        inspect.signature(script.model_provider).bind(**kwargs)
+    plain = next(kwargs for kwargs in calls if "vp_stage" not in kwargs)  # (no virtual pipeline)
+    result = {"megatron_core": package_info.__version__, "model_provider_builds_the_same_model": None,
+              "te_layer_spec_call_the_same": None}
+    model_cfg = getattr(call.get("cfg_container"), "model", None)
+    if model_cfg is not None:  # 0.19: pretrain builds the model from the container's GPTModelConfig
+        import megatron.training.models.gpt as gpt_models
+
+        assert call["model_provider"] is None
+        torch.manual_seed(1)
+        model = model_cfg.get_builder_cls()(model_cfg).build_model(values["pg_collection"], True, True)
+        torch.manual_seed(1)
+        result["model_provider_builds_the_same_model"] = _same_model(model, script.model_provider(**plain))
+        model_cfg.transformer.transformer_impl = "transformer_engine"
+        with _te_spec_calls([gpt_models, specs]) as by_builder:
+            gpt_models.default_layer_spec(model_cfg, None)
+        with _te_spec_calls([gpt_models, specs]) as by_script:
+            script.gpt_layer_spec(model_cfg.transformer)
+        result["te_layer_spec_call_the_same"] = bool(by_builder) and by_builder == by_script
+        model_cfg.transformer.transformer_impl = "local"
+        result["model_from"] = "GPTModelConfig"
+    else:
+        assert call["model_provider"] is script.model_provider
+        model = call["model_provider"](**plain)
+        result["model_from"] = "model_provider"
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        te_config = core_transformer_config_from_args(args)
+        te_config.transformer_impl = "transformer_engine"
+        with _te_spec_calls([specs]) as by_script:
+            script.gpt_layer_spec(te_config)  # (its arguments bind to this release's signature)
+        assert by_script
+
+    train_ds, _, _ = script.datasets_provider([4 * MBS, MBS, 0])
+    result["batch_keys"] = list(train_ds[0])
+    model = Float16Module(model.config, model)  # as get_model wraps it for --bf16
+    model.train()
+    # The CPU has no CUDA RNG states, nor CUDA buffers.
+    type(tensor_parallel.get_cuda_rng_tracker()).fork = lambda self, *a, **k: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+    with _OnCpu():
+        output, loss_func = script.forward_step(iter(DataLoader(train_ds, batch_size=MBS)), model)
+        loss, num_tokens, report = loss_func(output)
+        loss.backward()
+    assert set(report) == {"lm loss"}
+    result.update(loss=loss.item(), num_tokens=int(num_tokens))
+    return result
+
+
+def _drive(argv):
+    import megatron.training
+    import megatron.training.training as training
+
+    # What the script's Recorder relies on (MEGATRON_OFFLOAD_RECORD): train_step(..., optimizer at
+    # index 3, ..., iteration=), train(forward_step_func, model, optimizer, ...), save_checkpoint.
+    train_step = list(inspect.signature(training.train_step).parameters)
+    assert train_step[3] == "optimizer" and "iteration" in train_step, train_step
+    assert list(inspect.signature(training.train).parameters)[:3] == ["forward_step_func", "model", "optimizer"]
+    assert callable(training.save_checkpoint)
+    real = training.pretrain
+
+    def pretrain(*a, **k):
+        call = inspect.signature(real).bind(*a, **k)
+        call.apply_defaults()
+        result = _pretrain_on_cpu(call.arguments, sys.modules["__main__"])
+        print(RESULT + json.dumps(result), flush=True)
+        raise SystemExit(0)
+
+    megatron.training.pretrain = training.pretrain = pretrain
+    from megatron_offload.__main__ import main as launch
+
+    launch([MOCK, *argv])
+    raise SystemExit("the script returned without calling pretrain")
+
+
+if __name__ == "__main__":
+    _drive(sys.argv[1:])
