@@ -134,7 +134,8 @@ def main(argv=None):
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
     args = model_args(opts.iters, layers=24, hidden=2048, heads=16, seq=2048, mbs=2, gbs=opts.gbs)
-    run = launch("phase_switch", args, 1, opts.out, env_extra={"MEGATRON_OFFLOAD_PHASE_BENCH": str(opts.rounds)})
+    run = launch("phase_switch", args, 1, opts.out, env_extra={"MEGATRON_OFFLOAD_PHASE_BENCH": str(opts.rounds),
+                                                         "MEGATRON_OFFLOAD_NO_DIGEST": "1"})
     res = run["ranks"][0].get("phase_bench")
     if not res:
         raise SystemExit("the run recorded no phase_bench")
