@@ -10,7 +10,8 @@
 #   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS,
 #   7. optionally `hostprobe` (benchmarks/tools/host_memory_probe.py: pinned memory and forked children),
 #   8. optionally `sweep` (scripts/sweep.py, SWEEP_ARGS) and `maxfit` (scripts/max_fit.py, MAXFIT_ARGS),
-#   9. optionally `phase` (benchmarks/tools/phase_switch_bench.py, PHASE_ARGS: phase switches, three ways).
+#   9. optionally `phase` (benchmarks/tools/phase_switch_bench.py, PHASE_ARGS: phase switches, three ways)
+#      and `demo` (scripts/demo.py, DEMO_ARGS).
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
 # *.json summaries and logs.tgz (every run log and record, benchmark plots; no checkpoints).
 #
@@ -30,9 +31,14 @@ mkdir -p "$OUT" "$WORK"
 DEADLINE=$(( $(date +%s) + ${SUITE_BUDGET_S:-100000} ))
 within_budget() { timeout $(( DEADLINE - $(date +%s) > 1 ? DEADLINE - $(date +%s) : 1 )) "$@"; }
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
+# WHEELS: the folder of carried wheels (default .whl; e.g. WHEELS=.whl17 for megatron-core 0.17.1 + pyyaml),
+# each folder installed into a site directory of its own.
+WHEELS=${WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  SITE=/tmp/site${WHEELS#.whl}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=$SITE:$PWD
+  python3 -c 'import megatron.core as m; print("megatron-core", m.__version__)' | tee "$OUT/versions.txt"
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -95,6 +101,8 @@ for stage in $STAGES; do
     maxfit)
       within_budget python3 scripts/max_fit.py --nproc "$NPROC" --out "$WORK/maxfit" ${MAXFIT_ARGS:---cap-gib 40} 2>&1 \
         | tee "$OUT/max_fit.log" || status=1 ;;
+    demo)
+      within_budget python3 scripts/demo.py --out "$WORK/demo" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo.log" || status=1 ;;
     phase)
       # benchmarks/tools/phase_switch_bench.py: whole-state phase switches, three ways (PHASE_ARGS).
       within_budget python3 benchmarks/tools/phase_switch_bench.py --out "$WORK/phase" ${PHASE_ARGS:-} 2>&1 \
