@@ -608,6 +608,38 @@ def test_full_recompute_forwards_without_autograd_still_free_at_the_layer_hooks(
     coord.close()
 
 
+def test_watch_models_hooks_report_each_layer_to_the_public_driver():
+    """The hooks `watch_model` installs call `layer_forward_begin` before each layer's forward and
+    `layer_backward_begin(h)` when the gradient of layer h's output is ready (last layer first)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    coord = make_coord()
+    coord.add_optimizer(FakeDistOpt())
+    coord.offload_existing_state()
+    model = Model()
+    assert coord.watch_model([model]) == 3
+    calls = []
+    forward, backward = coord.layer_forward_begin, coord.layer_backward_begin
+    coord.layer_forward_begin = lambda: (calls.append("F"), forward())[1]
+    coord.layer_backward_begin = lambda position=None: (calls.append(position), backward(position))[1]
+    coord.forward_begin(True)
+    loss = model(torch.ones(2, 4)).sum()
+    coord.forward_end()
+    coord.backward_begin()
+    loss.backward()
+    assert calls == ["F", "F", "F", 2, 1, 0]
+    coord.close()
+
+
 def test_startup_state_is_freed_before_the_first_forward_and_training_stays_exact():
     ref, opt = FakeDistOpt(), FakeDistOpt()
     coord = make_coord()
