@@ -15,7 +15,7 @@ class Calibration:
 
     def _activation_bytes(self) -> int:
         """Allocated bytes that are not chunk buffers (the planner's growth is relative)."""
-        return self._allocated() - self._resident_bytes()
+        return self._allocated() - self.resident_bytes
 
     def _mark(self, label: str) -> None:
         if self._recorder is not None:

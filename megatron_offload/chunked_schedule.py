@@ -35,7 +35,7 @@ class ChunkedStepSchedule:
         floor = STEP_WINDOW_CHUNKS * slot
         if not self.it.forward_end_max:
             return floor
-        other = self._allocated() - self._resident_bytes()
+        other = self._allocated() - self.resident_bytes
         return max(floor, self.it.forward_end_max - other - slot - self.config.margin_bytes)
 
     def _backward_reload_cap(self) -> float:
@@ -51,10 +51,6 @@ class ChunkedStepSchedule:
     def _slot(self) -> int:
         return max((c.gpu_nbytes for _, c in self._chunks(*ChunkState)), default=0)
 
-    def _resident_bytes(self) -> int:
-        """GPU bytes of the chunk buffers that are allocated (in any state but OFFLOADED)."""
-        return self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
-
     def _admit(self, todo, budget: int, force_first: bool = False) -> None:
         """Start the reload of the OFFLOADED chunks of `todo` ((offloader, chunk), in step order)
         while the state resident stays within `budget`, freeing chunks the step has already
@@ -63,10 +59,10 @@ class ChunkedStepSchedule:
             if chunk.state is not ChunkState.OFFLOADED:
                 continue
             needed_now = force_first and i == 0
-            over = self._resident_bytes() + chunk.gpu_nbytes - budget
+            over = self.resident_bytes + chunk.gpu_nbytes - budget
             if over > 0:
                 self._free_stepped(over, keep_latest=not needed_now)
-                if self._resident_bytes() + chunk.gpu_nbytes > budget and not needed_now:
+                if self.resident_bytes + chunk.gpu_nbytes > budget and not needed_now:
                     return
             self._own_allocations += off.start_copy_in([chunk])
 

@@ -25,7 +25,9 @@ concerns live in their own modules, each a mixin of this class over the state se
     ledger            bytes by chunk state, reports
 
 The coordinator imports nothing from `megatron.training`; any training loop can drive it through
-`forward_begin` / `forward_end` / `backward_begin` / `grads_finalizing` / `optimizer_step_done`.
+`forward_begin` / `forward_end` / `backward_begin` / `grads_finalizing` / `optimizer_step_done`, with
+`layer_forward_begin` / `layer_backward_begin` per layer where `watch_model`'s hooks are not installed.
+`resident_bytes`, `pending_copy_out` and `open_state_accesses` say where things stand (read-only).
 """
 
 from __future__ import annotations
@@ -203,6 +205,22 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._trace("forward_begin")
 
     def _on_layer_forward(self, module, args) -> None:
+        """Forward pre-hook of a pacing module (`watch_model`)."""
+        self.layer_forward_begin()
+
+    @_inert_once_closed
+    def layer_forward_begin(self) -> None:
+        """A pacing module (a transformer layer, then the output layer) is about to run its
+        forward: call it once per module, in forward order, between `forward_begin(True)` and
+        `forward_end()`. `watch_model` installs hooks that call it; a loop that reports its layers
+        itself calls it instead of, never besides, those hooks.
+
+        It counts the module's position in the forward (what `layer_backward_begin` refers to).
+        In the iteration's first forward it also samples the activation growth and frees the
+        chunks being copied out down to the budget that leaves the next module its growth (module
+        docstring of memory_policy.py). Does nothing before the iteration's first training
+        forward (an evaluation between steps) and inside a backward (the recomputation of a
+        checkpointed layer); a forward without autograd (full activation recompute) counts."""
         # A recomputation inside the backward does not count. A forward without autograd does:
         # with full activation recompute (`--recompute-granularity full`) every checkpointed
         # layer runs its forward under no_grad; skipping those hooks left the state resident
@@ -238,7 +256,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         tensor = _first_grad_tensor(output)
         if tensor is not None:
             # The gradient of module h's output exists when every module after h finished its
-            # backward. Unknown position inside a recomputation (see _on_layer_forward).
+            # backward. Unknown position inside a recomputation (see layer_forward_begin).
             position = None if _in_backward() else self.it.position - 1
             tensor.register_hook(lambda grad, p=position: self._on_layer_backward(grad, p))
 
@@ -285,10 +303,27 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._mark("bwd_end")
 
     def _on_layer_backward(self, grad, position: Optional[int] = None):
+        """Gradient hook on a pacing module's output (`_on_layer_output`); returns None: the
+        gradient passes unchanged."""
+        self.layer_backward_begin(position)
+        return None
+
+    @_inert_once_closed
+    def layer_backward_begin(self, position: Optional[int] = None) -> None:
+        """The gradient of pacing module `position`'s output is ready: the backward has finished
+        every pacing module after it, and module `position`'s own backward comes next. `position`
+        counts the modules of the training forward from 0, as `layer_forward_begin` did; None
+        where unknown (inside a recomputation): then no chunk waits for a module's backward.
+
+        In the iteration's first backward it measures what one module's backward allocates (the
+        workspace the reloads leave free). Once no forward follows in this iteration (the reload
+        window), it starts the reload of the chunks freed before a module after `position` (the
+        activations that could have taken their memory are released), latest freed first, while
+        allocated memory stays under the reload ceiling and a free block takes each chunk
+        (`_reload_up_to`); `grads_finalizing` reloads whatever is left."""
         self._sample_workspace()
         if self.it.state is IterationState.RELOAD_WINDOW and self.bytes_in(ChunkState.OFFLOADED):
             self._reload_up_to(self._reload_ceiling(), position=position)
-        return None
 
     @_inert_once_closed
     def grads_finalizing(self) -> None:
@@ -393,6 +428,29 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._hook_handles.clear()
         for off in self.offloaders:
             off.close()
+
+
+    # ------------------------------------------------------------------------------------------
+    # Read-only queries (bytes: `Ledger`)
+    # ------------------------------------------------------------------------------------------
+    @property
+    def pending_copy_out(self) -> tuple:
+        """The offloaders whose state was stepped and whose copy-out is not enqueued yet (in the
+        order of `offloaders`). Set by `optimizer_step_done`; emptied by the next `forward_begin`
+        (or `start_pending_copy_out`), by a state access that takes the state back or writes
+        it, and by `close`.
+        Still set at the next `optimizer_step_done`: no forward reached the coordinator
+        (`OffloadNotRunningError`)."""
+        return tuple(self._copy_out_due)
+
+    @property
+    def open_state_accesses(self) -> tuple:
+        """The state accesses in progress (`before_state_access` without its
+        `after_state_access` yet), outermost first, as (offloader, `state_access.Access`) pairs.
+        While any is open the step hooks stand aside (a checkpoint API's dummy step is no
+        training step) and the next forward leaves host copies exposed; empty again once every
+        access closed, whatever it raised."""
+        return tuple(self._accesses)
 
 
 class OffloadNotRunningError(RuntimeError):

@@ -26,6 +26,12 @@ class Ledger:
         return sum(off.state_bytes for off in self.offloaders)
 
     @property
+    def resident_bytes(self) -> int:
+        """GPU bytes of the chunk buffers allocated now: every chunk but the OFFLOADED ones
+        (a chunk copying out holds its buffer until it is freed). At most `gpu_bytes`."""
+        return self.bytes_in(ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT)
+
+    @property
     def gpu_bytes(self) -> int:
         """GPU bytes of all chunk buffers (state plus alignment and slot padding)."""
         return self.bytes_in(*ChunkState)

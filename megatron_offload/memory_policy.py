@@ -97,7 +97,7 @@ class MemoryPolicy:
         allocated = self._allocated() if ceiling is not None else 0
         # The chunked step holds at most its budget: what comes back now is held until stepped.
         cap = self._backward_reload_cap()
-        resident = self._resident_bytes()
+        resident = self.resident_bytes
         chosen = []
         for off, chunk in todo:
             if ceiling is not None and allocated + chunk.gpu_nbytes > ceiling:

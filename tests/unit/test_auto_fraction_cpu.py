@@ -76,11 +76,11 @@ def _iteration(opt, coord, step, microbatches=2, layers=3):
     for _ in range(microbatches):
         coord.forward_begin(True)
         for _ in range(layers):
-            coord._on_layer_forward(None, ())
+            coord.layer_forward_begin()
         coord.forward_end()
         coord.backward_begin()
         for _ in range(layers):
-            coord._on_layer_backward(None)
+            coord.layer_backward_begin()
         coord.backward_end()
     coord.grads_finalizing()
     make_grads(opt.all_params(), step)

@@ -117,14 +117,13 @@ def test_pieces_by_last_chunk_step_the_packed_state_bit_identically():
     first = first_chunk_of(off.chunks)
     last = {id(p): k for k, piece in enumerate(pieces_by_last_chunk(off.chunks)) for p in piece}
     assert any(first[pid] < last[pid] for pid in last)  # some parameter straddles two chunks
-    coord._suspended += 1  # the coordinator's step hooks stay out of this test
     make_grads(ref.all_params(), 0)
     make_grads(opt.all_params(), 0)
     ref.optimizer.step()
-    off.start_copy_in(off.chunks_in(ChunkState.OFFLOADED))  # (the stepper's job, next)
-    off.make_resident(will_modify=True)
-    step_in_pieces(opt.optimizer, pieces)
-    assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    # Inside a state access the state is back and the coordinator's step hooks stay out.
+    with coord.state_access([off], will_modify=True):
+        step_in_pieces(opt.optimizer, pieces)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
 class MegatronShapedDistOpt(FakeDistOpt):
@@ -230,7 +229,7 @@ def chunked_iteration(opt, coord, step, skip=False, watch=None, level=None):
     would bring everything back."""
     for _ in range(2):
         coord.forward_begin(True)
-        coord._on_layer_forward(None, ())
+        coord.layer_forward_begin()
         if level is not None:
             level[0] = 10**9
         coord.forward_end()
@@ -239,7 +238,7 @@ def chunked_iteration(opt, coord, step, skip=False, watch=None, level=None):
         coord.backward_begin()
         if level is not None:
             level[0] = 0
-        coord._on_layer_backward(None)
+        coord.layer_backward_begin()
     if level is not None:
         level[0] = 10**9  # what the step finds: no room beyond the minimum budget
     coord.grads_finalizing()
@@ -260,13 +259,9 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
     off = coord.add_optimizer(opt)
     coord.offload_existing_state()
     resident_in_step, freed_after_forward = [], []
-    for hook in ("_before_piece", "_after_piece"):
-        original = getattr(coord, hook)
-
-        def watched(o, k, original=original):
-            original(o, k)
-            resident_in_step.append((coord._resident_bytes(), coord.it.step_budget))
-        setattr(coord, hook, watched)
+    # Each piece's Adam (one inner step() call) runs with what the coordinator admitted for it.
+    opt.optimizer.register_step_pre_hook(
+        lambda *_: resident_in_step.append((coord.resident_bytes, coord.it.step_budget)))
 
     def watch(when):
         freed_after_forward.append(coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes)
@@ -352,12 +347,12 @@ def test_chunked_step_frees_a_chunk_only_one_piece_after_its_copy_out(budget_chu
     coord.offload_existing_state()
     coord.step_budget_bytes = budget_chunks * off.chunks[0].gpu_nbytes
     stepped, lags, within = [], [], []
-    original_after, original_free = coord._after_piece, off.free
+    original_free = off.free
 
-    def after_piece(o, k):
-        stepped.append(coord.it.step_order[id(o)][k] if k < len(coord.it.step_order[id(o)]) else None)
-        original_after(o, k)
-        within.append(coord._resident_bytes() <= coord.it.step_budget)
+    def piece_begins(*_):  # (an inner step() call per piece: piece k steps chunk k of the order)
+        k, order = len(stepped), coord.it.step_order[id(off)]
+        stepped.append(order[k] if k < len(order) else None)
+        within.append(coord.resident_bytes <= coord.it.step_budget)
 
     def free(chunks, **kw):
         if coord.phase is Phase.STEPPING:
@@ -365,7 +360,8 @@ def test_chunked_step_frees_a_chunk_only_one_piece_after_its_copy_out(budget_chu
                 lags.append(len(stepped) - 1 - stepped.index(chunk))
         return original_free(chunks, **kw)
 
-    coord._after_piece, off.free = after_piece, free
+    opt.optimizer.register_step_pre_hook(piece_begins)
+    off.free = free
     for step in range(3):
         stepped.clear()
         make_grads(ref.all_params(), step)
@@ -388,8 +384,8 @@ def test_chunked_step_reloads_in_the_backward_up_to_the_level_the_step_reached()
     act = [0]
     base = 10**6
     coord = make_coord(chunk_bytes=2048, chunked_step=True, free_block_sizes=lambda: [2**40],
-                       memory_allocated=lambda: base + coord._resident_bytes() + act[0],
-                       max_memory_allocated=lambda: base + coord._resident_bytes() + act[0])
+                       memory_allocated=lambda: base + coord.resident_bytes + act[0],
+                       max_memory_allocated=lambda: base + coord.resident_bytes + act[0])
     off = coord.add_optimizer(opt)
     coord.offload_existing_state()
     slot = off.chunks[0].gpu_nbytes
@@ -398,13 +394,13 @@ def test_chunked_step_reloads_in_the_backward_up_to_the_level_the_step_reached()
         for mb in range(2):
             coord.forward_begin(True)
             act[0] = slot // 2
-            coord._on_layer_forward(None, ())
+            coord.layer_forward_begin()
             act[0] = slot  # the forward's end: one chunk's worth of activations
             coord.forward_end()
             coord.backward_begin()
             act[0] = slot // 2
-            coord._on_layer_backward(None)
-            levels.append(base + coord._resident_bytes() + act[0])
+            coord.layer_backward_begin()
+            levels.append(base + coord.resident_bytes + act[0])
         act[0] = 0
         back_in_backward.append(coord.bytes_in(ChunkState.COPYING_IN, ChunkState.RESIDENT))
         coord.grads_finalizing()
@@ -436,9 +432,9 @@ def test_a_save_after_a_chunked_step_reads_the_host_copies_and_training_stays_bi
         make_grads(ref.all_params(), step)
         ref.step()
         chunked_iteration(opt, coord, step)
-        resident = coord._resident_bytes()
+        resident = coord.resident_bytes
         opt.sharded_state_dict({})  # Megatron saves right after the step
-        assert coord._resident_bytes() == resident  # nothing came back for the save
+        assert coord.resident_bytes == resident  # nothing came back for the save
         assert sum(c.on_host for c in off.chunks) >= len(off.chunks) - 3
         assert_bitwise_equal(saved[-1], snapshot(ref))
     coord.close()
@@ -480,7 +476,7 @@ def test_state_seen_on_the_host_by_a_save_points_back_at_the_gpu_by_the_next_for
 def test_the_chunked_steps_own_frees_do_not_make_the_host_wait():
     """The chunked step frees a chunk one piece after its copy-out was enqueued; a host wait there
     would hold back the next pieces' copies and Adam (the pipeline runs on the GPU). Only the
-    forward's frees make the host wait (coordinator._free_until, `host_waits_at_free`)."""
+    forward's frees make the host wait (`OffloadConfig.host_waits_at_free`)."""
     from test_offloader_cpu import make_coord
 
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
@@ -488,7 +484,7 @@ def test_the_chunked_steps_own_frees_do_not_make_the_host_wait():
     coord = make_coord(chunk_bytes=2048, chunked_step=True, step_budget_bytes=3 * 2048,
                        memory_allocated=lambda: level[0], max_memory_allocated=lambda: level[0],
                        free_block_sizes=lambda: [2**40], host_waits_at_free=True)
-    coord.add_optimizer(opt)
+    off = coord.add_optimizer(opt)
     coord.offload_existing_state()
     phases = []
 
@@ -498,14 +494,15 @@ def test_the_chunked_steps_own_frees_do_not_make_the_host_wait():
 
     coord.streams.record = lambda stream: Event()
     in_step_frees = []
-    original_free_stepped = coord._free_stepped
+    original_free = off.free
 
-    def free_stepped(nbytes, keep_latest=True):
-        before = coord.bytes_in(ChunkState.OFFLOADED)
-        original_free_stepped(nbytes, keep_latest)
-        in_step_frees.append(coord.bytes_in(ChunkState.OFFLOADED) - before)
+    def free(chunks, **kw):
+        freed = original_free(chunks, **kw)
+        if coord.phase is Phase.STEPPING:
+            in_step_frees.append(freed)
+        return freed
 
-    coord._free_stepped = free_stepped
+    off.free = free
     for step in range(3):
         make_grads(ref.all_params(), step)
         ref.step()

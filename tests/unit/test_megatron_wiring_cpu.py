@@ -246,11 +246,10 @@ def test_cached_memory_release_is_opt_in():
 def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatch):
     seen = []
 
-    class Coord:  # the coordinator's real config type, so that a renamed field fails here
-        config = megatron_offload.OffloadConfig(chunked_step=True)
-        offloaders = ["a", "b"]
-        state_access = megatron_offload.OffloadCoordinator.state_access
-        _close_accesses = megatron_offload.OffloadCoordinator._close_accesses
+    class Coord(megatron_offload.OffloadCoordinator):  # its real state_access and config type
+        def __init__(self):  # (so that a renamed field fails here; no device or offloaders)
+            self.config = megatron_offload.OffloadConfig(chunked_step=True)
+            self.offloaders = ["a", "b"]
 
         def before_state_access(self, off, will_modify, host_copies_ok=False):
             seen.append(("before", off, will_modify))
@@ -264,7 +263,7 @@ def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatc
     assert seen == [("before", "a", False), ("before", "b", False), "norm", ("after", "b", False),
                     ("after", "a", False)]
     seen.clear()
-    Coord.config = megatron_offload.OffloadConfig(chunked_step=False)
+    megatron_wiring.coordinator.config = megatron_offload.OffloadConfig(chunked_step=False)
     assert norm(None) == 1.5 and seen == ["norm"]
 
 

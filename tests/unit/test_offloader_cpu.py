@@ -44,13 +44,13 @@ def one_iteration(opt, coord, step, skip=False, microbatches=2, check=None):
         if coord is not None:
             coord.forward_begin(True)
             for _ in range(LAYERS):
-                coord._on_layer_forward(None, ())
+                coord.layer_forward_begin()
             coord.forward_end()
             if check is not None:
                 check("after_forward", mb)
             coord.backward_begin()
             for _ in range(LAYERS):
-                coord._on_layer_backward(None)
+                coord.layer_backward_begin()
     if coord is not None:
         coord.grads_finalizing()
     make_grads(opt.all_params(), step)
@@ -186,9 +186,8 @@ def test_a_small_state_is_split_into_several_chunks(monkeypatch):
     assert all(c.nbytes <= max(-(-off.state_bytes // packing.MIN_CHUNKS), largest) + TENSOR_ALIGNMENT
                for c in off.chunks), off.chunks
     monkeypatch.setattr(packing, "MIN_CHUNK_BYTES", 2**30)  # the floor wins over the split
-    off.make_resident(will_modify=True)
-    coord._copy_out_due.clear()
-    off.refresh()
+    with coord.state_access([off], will_modify=True):
+        pass  # the state back, re-packed when the access closes
     assert len(off.chunks) == 1
 
 
@@ -245,8 +244,9 @@ def test_every_chunk_buffer_has_one_slot_size_and_the_host_copy_is_exact():
         assert chunk.host.numel() == chunk.nbytes
     assert coord.gpu_bytes == slot * len(off.chunks)
     assert off.pinned_bytes == sum(c.nbytes for c in off.chunks)
-    freed = coord._free_until(0)
-    assert freed == coord.gpu_bytes and all(storage_bytes(c.buffer) == 0 for c in off.chunks)
+    coord.forward_begin(training=False)  # an evaluation forward frees every chunk
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
+    assert all(storage_bytes(c.buffer) == 0 for c in off.chunks)
     coord.grads_finalizing()  # reload, padding untouched by the copies
     for chunk in off.chunks:
         assert storage_bytes(chunk.buffer) == slot
@@ -271,14 +271,12 @@ def test_copy_out_and_free_go_from_the_highest_address_down(layout, monkeypatch)
     assert n > 2
     fake = {id(c): (i if layout == "ascending" else n - i) * 2**20 for i, c in enumerate(off.chunks)}
     monkeypatch.setattr(Chunk, "address", property(lambda c: 0 if c.state is ChunkState.OFFLOADED else fake[id(c)]))
-    copied, freed = [], []
-    copy_pieces, free = off._copy_pieces, off.free
-    monkeypatch.setattr(off, "_copy_pieces", lambda dst, src: (copied.append(
-        next(c for c in off.chunks if c.host is dst)), copy_pieces(dst, src)))
-    monkeypatch.setattr(off, "free", lambda chunks, **kw: (freed.extend(chunks), free(chunks, **kw))[1])
-    coord.start_pending_copy_out()
-    for _ in range(n):
-        coord._free_until(coord.bytes_in(ChunkState.COPYING_OUT) - 1)  # one chunk at a time
+    moves = []  # (chunk, new state), in the order the chunks move
+    move_to = Chunk.move_to
+    monkeypatch.setattr(Chunk, "move_to", lambda c, state: (moves.append((c, state)), move_to(c, state))[1])
+    coord.forward_begin(training=False)  # copy-out, then every chunk freed
+    copied = [c for c, state in moves if state is ChunkState.COPYING_OUT]
+    freed = [c for c, state in moves if state is ChunkState.OFFLOADED]
     want = sorted(off.chunks, key=lambda c: -fake[id(c)])
     assert [c.index for c in copied] == [c.index for c in want]
     assert [c.index for c in freed] == [c.index for c in want]
@@ -322,14 +320,11 @@ def test_tensors_kept_after_a_new_split_own_their_storage():
     one_iteration(ref, None, 0)
     one_iteration(opt, coord, 0)  # everything packed into chunks
     assert len(off.chunks) == 1
-    off.make_resident(will_modify=True)
-    coord._copy_out_due.clear()
-    off.fraction = 0.4
-    off.refresh()
+    with coord.state_access([off], will_modify=True):
+        off.fraction = 0.4  # re-split when the access closes
     assert off.kept
     for st in off.kept:
         assert storage_bytes(st.tensor) == st.nbytes, st.name
-    coord._copy_out_due.append(off)
     for step in range(1, 3):
         one_iteration(ref, None, step)
         one_iteration(opt, coord, step)
@@ -467,9 +462,8 @@ def test_load_replacing_tensors_is_rediscovered():
     coord.forward_begin(True)
     coord.forward_end()
     coord.grads_finalizing()
-    coord._before_inner_step(off)
-    for t in new_values.values():
-        assert torch.all(t == 0.5)
+    with coord.state_access([off], will_modify=False):
+        assert all(torch.all(t == 0.5) for t in new_values.values())
 
 
 def test_view_master_is_packed_out_of_foreign_storage():
@@ -485,8 +479,8 @@ def test_view_master_is_packed_out_of_foreign_storage():
     assert master.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
     assert torch.equal(neighbour, torch.arange(16, 32, dtype=torch.float32))  # untouched
     coord.grads_finalizing()
-    coord._before_inner_step(coord.offloaders[0])
-    assert torch.equal(master, torch.arange(8, dtype=torch.float32))
+    with coord.state_access(coord.offloaders, will_modify=False):
+        assert torch.equal(master, torch.arange(8, dtype=torch.float32))
 
 
 def test_fp8_moment_is_refused():
@@ -540,7 +534,7 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
             coord.forward_begin(True)
         for h in range(LAYERS):
             if coord:
-                coord._on_layer_forward(None, ())
+                coord.layer_forward_begin()
                 if trace is not None and mb == 0:
                     trace.append(coord.bytes_in(ChunkState.COPYING_OUT, ChunkState.RESIDENT))
             mem.act += layer_bytes
@@ -556,7 +550,7 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
             if backward_layer is not None:
                 backward_layer()  # the layer after h ran its backward (its temporaries are freed)
             if coord:
-                coord._on_layer_backward(None, h)  # the gradient of layer h's output is ready
+                coord.layer_backward_begin(h)  # the gradient of layer h's output is ready
             mem.act -= layer_bytes
             mem.allocated()
     if coord:
@@ -607,10 +601,42 @@ def test_full_recompute_forwards_without_autograd_still_free_at_the_layer_hooks(
     coord.forward_begin(True)
     with torch.no_grad():
         for _ in range(LAYERS):
-            coord._on_layer_forward(None, ())
+            coord.layer_forward_begin()
             seen.append(coord.bytes_in(ChunkState.OFFLOADED))
     coord.forward_end()
     assert seen[0] == coord.gpu_bytes > 0, seen
+    coord.close()
+
+
+def test_watch_models_hooks_report_each_layer_to_the_public_driver():
+    """The hooks `watch_model` installs call `layer_forward_begin` before each layer's forward and
+    `layer_backward_begin(h)` when the gradient of layer h's output is ready (last layer first)."""
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    coord = make_coord()
+    coord.add_optimizer(FakeDistOpt())
+    coord.offload_existing_state()
+    model = Model()
+    assert coord.watch_model([model]) == 3
+    calls = []
+    forward, backward = coord.layer_forward_begin, coord.layer_backward_begin
+    coord.layer_forward_begin = lambda: (calls.append("F"), forward())[1]
+    coord.layer_backward_begin = lambda position=None: (calls.append(position), backward(position))[1]
+    coord.forward_begin(True)
+    loss = model(torch.ones(2, 4)).sum()
+    coord.forward_end()
+    coord.backward_begin()
+    loss.backward()
+    assert calls == ["F", "F", "F", 2, 1, 0]
     coord.close()
 
 
@@ -620,6 +646,8 @@ def test_startup_state_is_freed_before_the_first_forward_and_training_stays_exac
     coord.add_optimizer(opt)
     off = coord.offloaders[0]
     live = []  # state bytes with storage on the device at each chunk's packing
+    # Private on purpose: the start-up transient exists only between two chunks' packing inside
+    # one refresh(), a moment no public call marks.
     original_pack = off._pack
 
     def pack(chunk):
@@ -706,7 +734,7 @@ def test_pipeline_schedule_opens_the_reload_window_only_after_the_last_forward()
         for i, phase in enumerate(order):
             if phase == "F":
                 coord.forward_begin(True)
-                coord._on_layer_forward(None, ())
+                coord.layer_forward_begin()
                 coord.forward_end()
             else:
                 coord.backward_begin()
@@ -776,8 +804,8 @@ def test_a_save_reads_offloaded_state_from_the_host_and_a_load_brings_it_back():
     coord.forward_end()
     assert all(storage_bytes(t) == 0 for t in replaced)  # the loaded tensors are offloaded too
     coord.grads_finalizing()
-    coord._before_inner_step(off)
-    assert all(torch.all(t == 0.25) for t in replaced)
+    with coord.state_access([off], will_modify=False):
+        assert all(torch.all(t == 0.25) for t in replaced)
 
 
 def test_reload_waits_until_the_backward_released_what_reused_the_chunk():
@@ -790,24 +818,24 @@ def test_reload_waits_until_the_backward_released_what_reused_the_chunk():
     coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated,
                        max_memory_allocated=mem.max_allocated)
     coord.add_optimizer(opt)
-    reloads = []
-    original = coord._reload_up_to
+    reloads = []  # (position the backward has reached, position before which the chunk was freed)
 
-    def recording_reload(ceiling, position=None):
-        before = {id(c) for _, c in coord._chunks(ChunkState.OFFLOADED)}
-        moved = original(ceiling, position)
-        after = {id(c) for _, c in coord._chunks(ChunkState.OFFLOADED)}
-        for cid in before - after:
-            reloads.append((position, ceiling is None, coord.it.freed_at.get(cid)))
-        return moved
+    def recording(report, position_now):
+        def recorded(*args):
+            before = {id(c) for off in coord.offloaders for c in off.chunks_in(ChunkState.OFFLOADED)}
+            report(*args)
+            after = {id(c) for off in coord.offloaders for c in off.chunks_in(ChunkState.OFFLOADED)}
+            reloads.extend((position_now(*args), coord.it.freed_at.get(cid)) for cid in before - after)
+        return recorded
 
-    coord._reload_up_to = recording_reload
+    coord.backward_begin = recording(coord.backward_begin, lambda: coord.it.position)
+    coord.layer_backward_begin = recording(coord.layer_backward_begin, lambda position=None: position)
     for step in range(5):
         reloads.clear()
         simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
-    in_backward = [(p, h) for p, forced, h in reloads if not forced]
+    in_backward = reloads  # (grads_finalizing's reloads, of whatever is left, are not recorded)
     assert in_backward, reloads  # the window reloads some chunks early ...
     assert all(h is not None and h > p for p, h in in_backward), reloads  # ... never too early
     # Latest-freed chunks return first.
@@ -1377,11 +1405,14 @@ def test_steps_whose_forwards_bypass_the_hooks_fail_loudly():
         else:
             with pytest.raises(OffloadNotRunningError, match="overlap-moe-expert-parallel-comm"):
                 coord.optimizer_step_done()
-    assert coord._hook_handles == [] and coord.closed  # detached: the optimizer goes on without us
-    # A loop that caught the error and goes on calling the hooks moves nothing any more.
+    assert coord.closed
+    # A loop that caught the error and goes on calling the hooks moves nothing any more, and the
+    # optimizer steps without us (a step hook left behind would trace "step_begin").
     before = [c.state for c in off.chunks] if (off := coord.offloaders[0]).chunks else []
+    events = list(coord.events)
     one_iteration(opt, coord, 2)
-    assert [c.state for c in off.chunks] == before and not coord._copy_out_due
+    assert [c.state for c in off.chunks] == before and not coord.pending_copy_out
+    assert coord.events == events
 
 
 def test_add_optimizer_refuses_what_it_cannot_offload():
@@ -1420,7 +1451,7 @@ def test_checkpoint_access_is_exception_safe(where, monkeypatch, caplog):
         with coord.state_access([off], will_modify=False):
             raise MemoryError("save")
     monkeypatch.undo()
-    assert coord._suspended == 0 and coord._accesses == []
+    assert coord.open_state_accesses == ()
     if where == "access_and_closing":
         assert "closing" in caplog.text
     coord.forward_end()
@@ -1440,7 +1471,7 @@ def test_checkpoint_access_is_exception_safe(where, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("inner_writes", [False, True])
-def test_nested_accesses_on_the_gpu_leave_the_state_to_the_outermost(inner_writes):
+def test_nested_accesses_on_the_gpu_leave_the_state_to_the_outermost(inner_writes, monkeypatch):
     """With TE FusedAdam the torch_dist load cannot write into the host copies, so a resume's
     `sharded_state_dict(is_loading=True)` takes the state back and calls `state_dict` inside: the
     inner reader started the copy-out on closing, and the outer writer's re-discovery then found
@@ -1456,8 +1487,13 @@ def test_nested_accesses_on_the_gpu_leave_the_state_to_the_outermost(inner_write
         with coord.state_access([off], will_modify=inner_writes):
             assert all(c.state is ChunkState.RESIDENT for c in off.chunks)
         assert all(c.state is ChunkState.RESIDENT for c in off.chunks)  # still ours to use
-    assert coord._accesses == [] and coord._suspended == 0 and not coord._nested_writes
+    assert coord.open_state_accesses == ()
     assert all(c.state is not ChunkState.RESIDENT for c in off.chunks)  # sent out again
+    refreshes = []
+    monkeypatch.setattr(off, "refresh", lambda refresh=off.refresh: (refreshes.append(1), refresh())[1])
+    with coord.state_access([off], will_modify=False):
+        pass
+    assert refreshes == []  # no write of the nested access is left to re-discover
     for step in range(2, 4):
         one_iteration(ref, None, step)
         one_iteration(opt, coord, step)
@@ -1508,7 +1544,7 @@ def test_sibling_accesses_each_send_their_state_out_again():
         for mb in range(2):
             coord.forward_begin(True)
             for _ in range(LAYERS):
-                coord._on_layer_forward(None, ())
+                coord.layer_forward_begin()
             coord.forward_end()
             coord.backward_begin()
         coord.grads_finalizing()
@@ -1518,10 +1554,10 @@ def test_sibling_accesses_each_send_their_state_out_again():
         coord.optimizer_step_done()
     with coord.state_access(offs, will_modify=False):
         pass
-    assert coord._accesses == [] and coord._suspended == 0
+    assert coord.open_state_accesses == ()
     coord.forward_begin(True)
     for _ in range(LAYERS):
-        coord._on_layer_forward(None, ())
+        coord.layer_forward_begin()
     coord.forward_end()
     for off in offs:
         assert all(c.state is ChunkState.OFFLOADED for c in off.chunks), (off.name, off.chunks)
@@ -1557,7 +1593,7 @@ def test_hooks_out_of_order_raise_and_extra_forwards_keep_the_reload_window():
 
     opt = FakeDistOpt()
     coord = make_coord()
-    off = coord.add_optimizer(opt)
+    coord.add_optimizer(opt)
     one_iteration(opt, coord, 0)
     coord.forward_begin(True)
     coord.forward_end()
@@ -1568,10 +1604,17 @@ def test_hooks_out_of_order_raise_and_extra_forwards_keep_the_reload_window():
     assert coord.it.state is IterationState.RELOAD_WINDOW
     coord.forward_begin(True)  # a forward the schedule did not announce: the window stays open
     assert coord.it.state is IterationState.RELOAD_WINDOW
-    coord._before_inner_step(off)
-    assert coord.it.state is IterationState.STEPPING
-    with pytest.raises(IllegalTransition, match="stepping -> first_forward|stepping -> later_forwards"):
-        coord.forward_begin(True)  # a forward inside the optimizer step
+    inside_the_step = []
+
+    def forward_inside_the_step(optimizer, args, kwargs):  # (runs after the coordinator's step hook)
+        inside_the_step.append(coord.it.state)
+        with pytest.raises(IllegalTransition, match="stepping -> first_forward|stepping -> later_forwards"):
+            coord.forward_begin(True)
+
+    opt.optimizer.register_step_pre_hook(forward_inside_the_step)
+    make_grads(opt.all_params(), 1)
+    opt.step()
+    assert inside_the_step == [IterationState.STEPPING]
 
 
 def test_a_device_without_index_matches_its_tensors():
