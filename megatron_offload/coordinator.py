@@ -50,7 +50,7 @@ from .memory_policy import MemoryPolicy
 from .offloader import ChunkState, OptimizerStateOffloader
 from .phase import Phase
 from .phase_switch import PhaseSwitch
-from .registration import Registration
+from .registration import Registration, in_backward
 from .state_access import StateAccess
 from .streams import CopyStreams
 
@@ -204,10 +204,6 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
                                       freed_at_first_hook=self.peak_growth is None)
         self._trace("forward_begin")
 
-    def _on_layer_forward(self, module, args) -> None:
-        """Forward pre-hook of a pacing module (`watch_model`)."""
-        self.layer_forward_begin()
-
     @_inert_once_closed
     def layer_forward_begin(self) -> None:
         """A pacing module (a transformer layer, then the output layer) is about to run its
@@ -227,38 +223,11 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         # until the forward's end, so the first offloaded iteration peaked far above the later
         # ones, and reserved memory kept that high-water mark (see [Note: forwards without
         # autograd] in docs/design.md).
-        if self.it.forwards == 0 or _in_backward():
+        if self.it.forwards == 0 or in_backward():
             return
         h = self.it.position
         self.it.position += 1
-        if self.it.sample is None or not self.it.sample.active:
-            return
-        growth = self._growth()
-        if h < len(self.profile):
-            self.profile[h] = max(self.profile[h], growth)
-        else:
-            self.profile.append(growth)
-        if not self._chunks(ChunkState.COPYING_OUT):
-            return
-        if self.peak_growth is None:
-            budget = 0
-        else:
-            if h + 1 < len(self.profile):
-                upcoming = self.profile[h + 1]
-            else:
-                upcoming = self.profile_end if self.profile_end is not None else self.peak_growth
-            budget = max(0, self.peak_growth - upcoming - self.config.margin_bytes)
-        self._free_until(budget, position=h)
-
-    def _on_layer_output(self, module, args, output) -> None:
-        if self.it.forwards == 0 or not torch.is_grad_enabled() or self.phase is Phase.NO_STATE:
-            return
-        tensor = _first_grad_tensor(output)
-        if tensor is not None:
-            # The gradient of module h's output exists when every module after h finished its
-            # backward. Unknown position inside a recomputation (see layer_forward_begin).
-            position = None if _in_backward() else self.it.position - 1
-            tensor.register_hook(lambda grad, p=position: self._on_layer_backward(grad, p))
+        self._pace_layer(h)
 
     @_inert_once_closed
     def forward_end(self) -> None:
@@ -301,12 +270,6 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
     def backward_end(self) -> None:
         """The backward of one microbatch is enqueued (phase mark for the automatic fraction)."""
         self._mark("bwd_end")
-
-    def _on_layer_backward(self, grad, position: Optional[int] = None):
-        """Gradient hook on a pacing module's output (`_on_layer_output`); returns None: the
-        gradient passes unchanged."""
-        self.layer_backward_begin(position)
-        return None
 
     @_inert_once_closed
     def layer_backward_begin(self, position: Optional[int] = None) -> None:
@@ -430,51 +393,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             off.close()
 
 
-    # ------------------------------------------------------------------------------------------
-    # Read-only queries (bytes: `Ledger`)
-    # ------------------------------------------------------------------------------------------
-    @property
-    def pending_copy_out(self) -> tuple:
-        """The offloaders whose state was stepped and whose copy-out is not enqueued yet (in the
-        order of `offloaders`). Set by `optimizer_step_done`; emptied by the next `forward_begin`
-        (or `start_pending_copy_out`), by a state access that takes the state back or writes
-        it, and by `close`.
-        Still set at the next `optimizer_step_done`: no forward reached the coordinator
-        (`OffloadNotRunningError`)."""
-        return tuple(self._copy_out_due)
-
-    @property
-    def open_state_accesses(self) -> tuple:
-        """The state accesses in progress (`before_state_access` without its
-        `after_state_access` yet), outermost first, as (offloader, `state_access.Access`) pairs.
-        While any is open the step hooks stand aside (a checkpoint API's dummy step is no
-        training step) and the next forward leaves host copies exposed; empty again once every
-        access closed, whatever it raised."""
-        return tuple(self._accesses)
-
-
 class OffloadNotRunningError(RuntimeError):
     """Offloading was asked for but the training loop never let it run."""
-
-
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward (e.g. recomputing a checkpointed layer)."""
-    return torch._C._current_autograd_node() is not None
-
-
-
-
-def _first_grad_tensor(output) -> Optional[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            t = _first_grad_tensor(item)
-            if t is not None:
-                return t
-    return None
 
 
 def phase_switcher(optimizer, device: Optional[torch.device] = None, config: Optional[OffloadConfig] = None,

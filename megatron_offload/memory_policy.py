@@ -34,6 +34,29 @@ WORKSPACE_MIN_BLOCK = 64 * 2**20
 class MemoryPolicy:
     """The free budget (`_free_until`), the growth profile and the memory-aware reloads."""
 
+    def _pace_layer(self, h: int) -> None:
+        """Layer `h` of the iteration's first forward is about to run (`layer_forward_begin`):
+        record the activation growth so far, and free the chunks being copied out down to the
+        budget that leaves layer h+1 its growth (module docstring)."""
+        if self.it.sample is None or not self.it.sample.active:
+            return
+        growth = self._growth()
+        if h < len(self.profile):
+            self.profile[h] = max(self.profile[h], growth)
+        else:
+            self.profile.append(growth)
+        if not self._chunks(ChunkState.COPYING_OUT):
+            return
+        if self.peak_growth is None:
+            budget = 0
+        else:
+            if h + 1 < len(self.profile):
+                upcoming = self.profile[h + 1]
+            else:
+                upcoming = self.profile_end if self.profile_end is not None else self.peak_growth
+            budget = max(0, self.peak_growth - upcoming - self.config.margin_bytes)
+        self._free_until(budget, position=h)
+
     def _free_until(self, budget: int, position: Optional[int] = None) -> int:
         """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated.
         `position`: the pacing module about to run (activations from it on may reuse the

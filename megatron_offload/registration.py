@@ -5,12 +5,13 @@ with the chunked step); the model's layers get the hooks that pace the frees and
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
 from . import chunked_step
 from .offloader import OptimizerStateOffloader
+from .phase import Phase
 
 
 class _Undo:
@@ -34,6 +35,24 @@ def pacing_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
     if not found:
         found = list(model.children())
     return found + output_layers
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. recomputing a checkpointed layer)."""
+    return torch._C._current_autograd_node() is not None
+
+
+
+
+def _first_grad_tensor(output) -> Optional[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            t = _first_grad_tensor(item)
+            if t is not None:
+                return t
+    return None
 
 
 class Registration:
@@ -86,3 +105,23 @@ class Registration:
                 self._hook_handles.append(module.register_forward_hook(self._on_layer_output))
                 count += 1
         return count
+
+    def _on_layer_forward(self, module, args) -> None:
+        """Forward pre-hook of a pacing module (`watch_model`)."""
+        self.layer_forward_begin()
+
+    def _on_layer_output(self, module, args, output) -> None:
+        if self.it.forwards == 0 or not torch.is_grad_enabled() or self.phase is Phase.NO_STATE:
+            return
+        tensor = _first_grad_tensor(output)
+        if tensor is not None:
+            # The gradient of module h's output exists when every module after h finished its
+            # backward. Unknown position inside a recomputation (see layer_forward_begin).
+            position = None if in_backward() else self.it.position - 1
+            tensor.register_hook(lambda grad, p=position: self._on_layer_backward(grad, p))
+
+    def _on_layer_backward(self, grad, position: Optional[int] = None):
+        """Gradient hook on a pacing module's output (`_on_layer_output`); returns None: the
+        gradient passes unchanged."""
+        self.layer_backward_begin(position)
+        return None

@@ -64,6 +64,25 @@ class StateAccess:
         self._suspended += 1
         self._accesses.append((off, kind))
 
+    @property
+    def open_state_accesses(self) -> tuple:
+        """The state accesses in progress (`before_state_access` without its
+        `after_state_access` yet), outermost first, as (offloader, `state_access.Access`) pairs.
+        While any is open the step hooks stand aside (a checkpoint API's dummy step is no
+        training step) and the next forward leaves host copies exposed; empty again once every
+        access closed, whatever it raised."""
+        return tuple(self._accesses)
+
+    @property
+    def pending_copy_out(self) -> tuple:
+        """The offloaders whose state was stepped and whose copy-out is not enqueued yet (in the
+        order of `offloaders`). Set by `optimizer_step_done`; emptied by the next `forward_begin`
+        (or `start_pending_copy_out`), by a state access that takes the state back or writes
+        it, and by `close`.
+        Still set at the next `optimizer_step_done`: no forward reached the coordinator
+        (`OffloadNotRunningError`)."""
+        return tuple(self._copy_out_due)
+
     @contextlib.contextmanager
     def state_access(self, offloaders, will_modify: bool, host_copies_ok: bool = False):
         """`before_state_access` / `after_state_access` around a block, for each of `offloaders`.
