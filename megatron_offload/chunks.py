@@ -122,7 +122,6 @@ class Chunk:
         self.gpu_nbytes = nbytes  # GPU buffer size: the offloader's common slot size (>= nbytes)
         self.buffer: Optional[torch.Tensor] = None  # uint8, `gpu_nbytes` on the device
         self.host: Optional[torch.Tensor] = None  # uint8 view of the pinned host buffer, `nbytes`
-        self.host_offset = 0  # where `host` starts in the pinned host buffer
         self.state = ChunkState.RESIDENT
         # True while the host copy equals the GPU state: set when a D2H is enqueued, cleared when
         # anything may write the GPU state (the inner step, a checkpoint load).

@@ -178,26 +178,3 @@ class PinnedHostBuffer:
             self.close()
         except Exception:
             pass
-
-
-def save_copy_buffer(nbytes: int) -> torch.Tensor:
-    """Host memory for an asynchronous checkpoint save's copy of the offloaded state
-    (`HostCopies.expose_host_copies(private=True)`): shared memory where /dev/shm has room, so that
-    megatron-core's checkpoint worker process receives it without another copy (its queue moves
-    every other CPU tensor into shared memory first), else private pageable memory. Touched once
-    here, so that each save copies into resident pages rather than faulting them in while
-    training waits."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    try:
-        st = os.statvfs("/dev/shm")
-        room = st.f_bavail * st.f_frsize
-    except OSError:
-        room = 0
-    if room >= nbytes + 2**30:  # (/dev/shm over-filled kills the writer with SIGBUS)
-        buf.share_memory_()
-    else:
-        logger.warning("megatron-offload: /dev/shm has %.1f GiB free, too little for a %.1f GiB copy of the "
-                       "offloaded state for asynchronous saves; using private memory (the checkpoint worker's "
-                       "queue will copy it again)", room / 2**30, nbytes / 2**30)
-    buf.fill_(0)
-    return buf

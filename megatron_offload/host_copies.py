@@ -10,7 +10,6 @@ import torch
 
 from .chunks import ChunkState
 from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
-from .host_buffer import save_copy_buffer
 
 class HostCopies:
     """Readers and writers on the host copies of offloaded chunks (module docstring)."""
@@ -23,15 +22,12 @@ class HostCopies:
         reads them after the reader returned (dist-checkpointing writes after
         `sharded_state_dict`) still finds them. Returns the number of chunks exposed.
 
-        `private`: point them at a copy of the host copies instead (`save_copy`, made on first
-        use, shared memory where possible: host_buffer.save_copy_buffer), for a reader that
-        outlives the step: an asynchronous save's writer reads after training went on, when the
-        next copy-out rewrites the pinned buffer, and in a forked writer the pinned buffer does
-        not exist (`MADV_DONTFORK`). Invariant: the writer of one asynchronous save is done before
-        the next save exposes (megatron-core's `save_checkpoint` finalizes a pending asynchronous
-        save before it starts), so each such save may overwrite the last one's copy. A writer
-        (`private=False`) always gets the pinned buffer itself, also where a reader left the
-        copy exposed."""
+        `private`: point them at a pageable copy of the host copy instead (one per chunk, owned by
+        whoever keeps the tensors), for a reader that outlives the step: an asynchronous save's
+        writer reads after training went on, when the next copy-out rewrites the pinned buffer,
+        and in a forked writer the pinned buffer does not exist (`MADV_DONTFORK`, host_buffer.py).
+        A writer (`private=False`) always gets the pinned buffer itself, also where a reader left
+        private copies exposed."""
         chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host or (c.private and not private)]
         if not chunks:
             return 0
@@ -39,18 +35,12 @@ class HostCopies:
             # Why: the host is about to read the copies itself. The compute stream waited for
             # them before the chunks were freed; the host never did.
             self.streams.d2h.synchronize()
-        if private and self.save_copy is None:
-            self.save_copy = save_copy_buffer(self.host.nbytes)
         for chunk in chunks:
             if not chunk.on_host:
                 # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
                 # storage is re-allocated: keep them for `hide_host_copies`.
                 chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
-            base = chunk.host
-            if private:
-                base = self.save_copy[chunk.host_offset: chunk.host_offset + chunk.nbytes]
-                base.copy_(chunk.host)
-            self._point_at(chunk, base)
+            self._point_at(chunk, chunk.host.clone() if private else chunk.host)
             chunk.on_host, chunk.private = True, private
         return len(chunks)
 

@@ -87,9 +87,6 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         self.name = name
         self.chunks: List[Chunk] = []
         self.host: Optional[PinnedHostBuffer] = None
-        # Asynchronous saves' copy of the host copies (`HostCopies.expose_host_copies`), made on
-        # the first such save, laid out like `host`; None until then and after `host` changes.
-        self.save_copy: Optional[torch.Tensor] = None
         self.discovery = Discovery([], [])
         self.stats = streams.stats
         self._signature = None
@@ -289,4 +286,3 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
                 self.streams.compute.synchronize()
             self.host.close()
             self.host = None
-        self.save_copy = None

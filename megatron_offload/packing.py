@@ -86,7 +86,6 @@ class Packing:
                     torch.cuda.synchronize(self.device)
                 self.host.close()
                 self.host = None
-                self.save_copy = None  # laid out like the old buffer
                 for old in self.chunks:
                     old.host = None
             try:
@@ -113,7 +112,6 @@ class Packing:
             with self.streams.on_compute():
                 self._pack(chunk)
             chunk.host = self.host.view(base, chunk.packed)
-            chunk.host_offset = base
             base += chunk.nbytes
             if stream_out:
                 self.start_copy_out([chunk])
