@@ -133,7 +133,6 @@ class Chunk:
         # (`expose_host_copies`) instead of at the freed GPU buffer, until the next forward or
         # reload (`hide_host_copies`, `start_copy_in`).
         self.on_host = False
-        self.private = False  # on_host, on a private copy of `host` (an asynchronous save's)
         self.gpu_views: Optional[List[torch.Tensor]] = None  # the tensors' GPU views while on_host
 
     def move_to(self, state: ChunkState) -> None:

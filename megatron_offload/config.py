@@ -34,7 +34,7 @@ class OffloadConfig:
     release_at: FrozenSet[str] = frozenset({"offloaded"})  # where (allocator.RELEASE_POINTS)
     timing: bool = True  # CUDA events around the copies, for the per-iteration log
     host_loads: bool = True  # checkpoint loads may write into the host copies
-    private_host_reads: bool = False  # checkpoint saves read private copies (asynchronous saves)
+    async_saves: bool = False  # checkpoint saves are asynchronous (state_access: nothing resident is read)
     per_step: bool = True  # offload after every step (the flag); False: phase switches only (phase_switch.py)
     # Diagnostic switches (the benchmark sets them to measure alternatives; defaults are the product):
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward

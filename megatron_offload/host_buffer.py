@@ -128,9 +128,15 @@ class PinnedHostBuffer:
             self._pin(register)
 
     def _map_anonymous(self) -> None:
-        """Anonymous and private memory: page-aligned, zero-filled, backed only where touched."""
-        self._map = mmap.mmap(-1, align_up(self.nbytes, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE)
-        self._storage = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
+        """Anonymous and private memory: page-aligned, zero-filled, backed only where touched.
+
+        The storage is ALIGNMENT bytes longer than `nbytes`, a tail no view covers: every view is
+        then a view of a larger storage, which checkpoint writers copy before an asynchronous
+        save returns (`HostCopies.expose_host_copies`), where a tensor that is its whole storage
+        would be handed over as it is (and moved into shared memory by a writer process's queue:
+        the pinned buffer itself)."""
+        self._map = mmap.mmap(-1, align_up(self.nbytes + ALIGNMENT, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE)
+        self._storage = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes + ALIGNMENT)
 
     def _pin(self, register: Optional[Callable[[int, int], int]]) -> None:
         self._map_anonymous()

@@ -14,7 +14,7 @@ from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
 class HostCopies:
     """Readers and writers on the host copies of offloaded chunks (module docstring)."""
 
-    def expose_host_copies(self, private: bool = False) -> int:
+    def expose_host_copies(self) -> int:
         """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
         at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
         checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
@@ -22,13 +22,12 @@ class HostCopies:
         reads them after the reader returned (dist-checkpointing writes after
         `sharded_state_dict`) still finds them. Returns the number of chunks exposed.
 
-        `private`: point them at a pageable copy of the host copy instead (one per chunk, owned by
-        whoever keeps the tensors), for a reader that outlives the step: an asynchronous save's
-        writer reads after training went on, when the next copy-out rewrites the pinned buffer,
-        and in a forked writer the pinned buffer does not exist (`MADV_DONTFORK`, host_buffer.py).
-        A writer (`private=False`) always gets the pinned buffer itself, also where a reader left
-        private copies exposed."""
-        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host or (c.private and not private)]
+        An asynchronous save's writer runs on after the next copy-outs rewrote the pinned buffer:
+        it must not keep these views. dist-checkpointing's writers clone every CPU tensor that is
+        a view of a larger storage while the save runs (`FileSystemWriterAsync.
+        prepare_write_data`), and every view here is (host_buffer.PinnedHostBuffer keeps a tail
+        that no view covers); tests/unit/test_async_save_cpu.py checks it on megatron-core."""
+        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host]
         if not chunks:
             return 0
         if self.device.type == "cuda":
@@ -36,12 +35,11 @@ class HostCopies:
             # them before the chunks were freed; the host never did.
             self.streams.d2h.synchronize()
         for chunk in chunks:
-            if not chunk.on_host:
-                # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
-                # storage is re-allocated: keep them for `hide_host_copies`.
-                chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
-            self._point_at(chunk, chunk.host.clone() if private else chunk.host)
-            chunk.on_host, chunk.private = True, private
+            # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
+            # storage is re-allocated: keep them for `hide_host_copies`.
+            chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
+            self._point_at(chunk, chunk.host)
+            chunk.on_host = True
         return len(chunks)
 
     def host_reads_supported(self) -> bool:
@@ -130,7 +128,7 @@ class HostCopies:
             for st, view in zip(chunk.tensors, chunk.gpu_views):
                 st.tensor.data = view
             chunk.gpu_views = None
-            chunk.on_host = chunk.private = False
+            chunk.on_host = False
         return len(chunks)
 
     @staticmethod

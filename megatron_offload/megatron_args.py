@@ -137,6 +137,7 @@ def config_from_args(args) -> OffloadConfig:
         timing=not args.offload_no_timing,
         # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
         host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
-        # An asynchronous save's writer reads after the next step (expose_host_copies).
-        private_host_reads=bool(getattr(args, "async_save", False)),
+        # megatron-core turns --async-save off itself without --use-persistent-ckpt-worker
+        # (validate_args, which runs before this).
+        async_saves=bool(getattr(args, "async_save", False)),
     ), **DIAGNOSTICS)

@@ -218,7 +218,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
                 if chunk.on_host:  # a reader saw it on the host (expose_host_copies): back here
                     self._point_at(chunk, chunk.buffer)
                     chunk.gpu_views = None
-                    chunk.on_host = chunk.private = False
+                    chunk.on_host = False
         with s.on_h2d() as stream:
             # Why: the new storage may be memory the compute stream freed a moment ago (on the
             # host) but whose last reader is still queued on the GPU.

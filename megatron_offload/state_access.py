@@ -50,7 +50,16 @@ class StateAccess:
         on_host = on_host and off.host_reads_supported()
         if on_host and not will_modify:
             kind = Access.HOST_READ
-            off.expose_host_copies(private=self.config.private_host_reads)
+            if self.config.async_saves and not enclosing:
+                # An asynchronous save hands GPU tensors to megatron-core's checkpoint worker by
+                # CUDA IPC, and the worker holds them until its write is done, iterations later:
+                # chunk buffers shared so could not be freed (nor their memory reused) meanwhile.
+                # Everything leaves first; the save then reads host copies only (the D2H that a
+                # save without the plugin makes the worker do while training waits).
+                if off in self._copy_out_due:
+                    self._copy_out_due.remove(off)
+                off.send_out_now()
+            off.expose_host_copies()
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
             if off in self._copy_out_due:
@@ -118,8 +127,8 @@ class StateAccess:
 
     def _hide_host_copies(self) -> None:
         """A save that read state on the host (`before_state_access`) has finished writing by the
-        next forward (a synchronous save; an asynchronous one reads private copies, which it
-        keeps), and so has a load that wrote there: the tensors still off the GPU point back at their GPU buffers before
+        next forward (a synchronous save; an asynchronous one has cloned what it read before
+        `save_checkpoint` returned: expose_host_copies), and so has a load that wrote there: the tensors still off the GPU point back at their GPU buffers before
         anything treats them as GPU tensors."""
         if self._accesses:
             return  # still inside a reader or writer
@@ -197,3 +206,5 @@ class StateAccess:
         off.start_copy_out()
         if self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.FREEING
+        elif kind is Access.HOST_READ and self.config.async_saves and self.resident_bytes == 0:
+            self.phase = Phase.OFFLOADED  # (an asynchronous save sent everything out)

@@ -27,6 +27,10 @@ def _is_fp8_dtype(value) -> bool:
     return str(value) in ("torch.uint8",) or "float8" in str(value)
 
 
+def _is_fp16_dtype(value) -> bool:
+    return value is not None and str(value).lower() in ("fp16", "torch.float16", "float16")
+
+
 def problems(args) -> List[str]:
     """Every reason `args` cannot run with --offload-optimizer-states (empty list: fine)."""
     if not _get(args, "offload_optimizer_states", False):
@@ -110,6 +114,16 @@ def problems(args) -> List[str]:
             "schedule functions the plugin paces itself by, so the state would never leave the GPU. "
             f"Drop one of them."
         )
+    if _get(args, "async_save", False) and _get(args, "use_precision_aware_optimizer", False):
+        fp16 = [flag for flag, name in (("--main-params-dtype", "main_params_dtype"),
+                                        ("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"))
+                if _is_fp16_dtype(_get(args, name))]
+        if fp16:
+            out.append(
+                f"{FLAG} cannot be combined with --async-save and fp16 optimizer states ({', '.join(fp16)} fp16): "
+                "a save reads Transformer Engine's scaled fp16 states on the GPU, and the asynchronous "
+                "checkpoint worker would keep that GPU memory until its write is done. Use synchronous saves, "
+                "fp32 or bf16 states, or drop one of the flags.")
     return out
 
 

@@ -12,7 +12,9 @@ scripts/pretrain_gpt_mock.py; --script mock|upstream|PATH chooses. Runs (mock da
                     off the GPU, so they test the bounded save
   resume_offload    offload, resumes the offload run's checkpoint at iters/2
   resume_chunked    offload_chunked, resumes the offload_chunked run's checkpoint (saved with state
-                    off the GPU; with --extra=--async-save, by a writer that ran on during training)
+                    off the GPU; with --extra=--async-save (plus --use-persistent-ckpt-worker
+                    --async-strategy mcore, else megatron-core saves synchronously: checked), by a
+                    checkpoint worker that wrote while training went on)
   resume_plain      no offload, resumes the offload run's checkpoint   (checkpoint interchange)
   plain_to_offload  offload, resumes the baseline's checkpoint        (checkpoint interchange)
   crash             offload, saves at iters/2, then every rank SIGKILLs itself mid-iteration 2
@@ -202,6 +204,11 @@ def main(argv=None):
         runs[name] = launch(name, plan[name], opts.nproc, opts.out, script=script, env_extra=env)
         printed[name] = printed_losses(open(os.path.join(opts.out, f"{name}.log")).read())
         print(f"{name}: {runs[name]['seconds']:.0f}s", flush=True)
+        if "--async-save" in base and "--save" in plan[name]:
+            # megatron-core turns --async-save off (and says so) without the persistent worker.
+            log = open(os.path.join(opts.out, f"{name}.log")).read()
+            check(f"{name}: the saves ran asynchronously", "Disabling --async-save" not in log
+                  and "scheduled an async checkpoint save" in log)
         first = half + 1 if name.startswith(("resume", "plain_to")) else 1
         want = megatron_printed(losses(runs[name]), first)
         differ = sorted(i for i in want if printed[name].get(i) != want[i])
@@ -227,9 +234,10 @@ def main(argv=None):
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")
     with open(os.path.join(opts.out, "functional_summary.json"), "w") as f:
-        json.dump({"script": script, "checks": checks,
+        json.dump({"script": script, "extra": opts.extra, "checks": checks,
                    "cases": {n: {"seconds": r["seconds"], "peak_reserved": peak_reserved(r), "losses": losses(r),
-                                 "printed_losses": printed.get(n), "host": r.get("host")}
+                                 "printed_losses": printed.get(n), "host": r.get("host"),
+                                 "saves": [rank.get("saves") for rank in r["ranks"]]}
                              for n, r in runs.items()}}, f, indent=1)
     return 1 if failed or not checks else 0
 

@@ -72,7 +72,10 @@ CASES = {
     # and 82 MiB of state per rank left reserved memory equal, 0.71 -> 0.71 GiB.)
     "dp4-clip": (4, ["--clip-grad", "0.3"], {"seq": 2048}, ("resume_offload", "resume_plain", "plain_to_offload")),
     # --async-save with the chunked step: the writer runs on while the next steps copy out.
-    "dp2-async-chunked": (2, ["--async-save"], {}, ("resume_offload",)),
+    # (megatron-core saves synchronously without the persistent worker, and its default async
+    # strategy, nvrx, needs nvidia-resiliency-ext.)
+    "dp2-async-chunked": (2, ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"], {},
+                          ("resume_offload",)),
 }
 # The chunked optimizer step (--offload-chunked-step) on the layouts where the step is the
 # small model's memory peak (PP stages) and on a chain of two DistributedOptimizers.

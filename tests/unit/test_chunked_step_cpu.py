@@ -539,76 +539,40 @@ def test_a_save_right_after_a_chunked_step_reads_the_sent_out_chunks_from_the_ho
     assert_bitwise_equal(snapshot(ref), saved)
 
 
-def _state_tensors(opt):
-    out = []
-    for p in opt.optimizer.param_groups[0]["params"]:
-        out.append(p)
-        out += [v for v in opt.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    return out
-
-
-@pytest.mark.parametrize("private", [True, False])
-def test_an_async_saves_writer_keeps_the_saved_values_while_training_goes_on(private):
-    """--async-save: dist-checkpointing keeps `.detach()`ed tensors of the state from the save and
-    writes them in the background while training goes on (and, forked, cannot read the pinned
-    buffer at all: MADV_DONTFORK). With `private_host_reads` the chunks that a save reads on the
-    host are private copies: the writer still holds the saved values after the next chunked step
-    has copied new values out into the pinned buffer, and those copies share nothing with it.
-    Without (`private=False`, the synchronous save's protocol) the kept tensors are views of the
-    pinned buffer and change under the writer: the race this setting removes."""
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+def test_an_async_save_reads_every_chunk_from_the_host(chunked):
+    """--async-save (OffloadConfig.async_saves): megatron-core's checkpoint worker holds the GPU
+    tensors a save hands it (CUDA IPC) until its write is done, so a save must hand it none of the
+    chunk buffers. Right after a step (the unchunked step leaves the whole state resident, the
+    chunked one a budget's worth), the save's reader finds every chunk sent out and reads the host
+    copies, every byte as without offloading; training goes on bit-exactly. Without async_saves
+    the resident chunks are read on the GPU (the synchronous save's protocol)."""
     from megatron_offload.megatron_wiring import _wrap_state_access
-    from test_offloader_cpu import make_coord
+    from test_offloader_cpu import make_coord, one_iteration
 
-    ref, opt = MegatronShapedMany(), MegatronShapedMany()
-    kept = []  # (tensors the background writer keeps, their values at the save)
+    for async_saves in (True, False):
+        ref, opt = MegatronShapedMany(), MegatronShapedMany()
+        seen = []
 
-    def save(model_sd, is_loading=False):
-        # The writer keeps host tensors as they are and copies device tensors to the host before
-        # the save returns (`preload_tensors`); here the "device" is the CPU too: the resident
-        # chunks' tensors are copied, those on the host (exposed) kept.
-        exposed = {id(st.tensor) for c in off.chunks if c.on_host for st in c.tensors}
-        tensors = [t.detach() if id(t) in exposed else t.detach().clone() for t in _state_tensors(opt)]
-        kept.append((tensors, [t.clone() for t in tensors]))
+        def save(model_sd, is_loading=False, off=None):
+            seen.append((coord.resident_bytes, sum(c.on_host for c in off.chunks), snapshot(opt)))
 
-    opt.sharded_state_dict = save
-    coord = make_coord(chunk_bytes=2048, chunked_step=True, private_host_reads=private)
-    off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
-    coord.offload_existing_state()
-    pinned = {c.host.data_ptr() for c in off.chunks}
-    for step in range(4):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        chunked_iteration(opt, coord, step)
-        opt.sharded_state_dict({})
-        on_host = [c for c in off.chunks if c.on_host]
-        assert on_host and all(c.private == private for c in on_host)
-    changed = sum(not torch.equal(t, v) for tensors, values in kept[:-1] for t, v in zip(tensors, values))
-    shares_pinned = any(t.untyped_storage().data_ptr() in pinned for tensors, _ in kept for t in tensors)
-    if private:
-        assert changed == 0 and not shares_pinned
-    else:
-        assert changed > 0 and shares_pinned
-    coord.close()
-    assert_bitwise_equal(snapshot(ref), snapshot(opt))
-
-
-def test_a_load_after_an_async_save_writes_into_the_pinned_buffer():
-    """A writer (a torch_dist load) after a save that left private copies exposed must write into
-    the pinned buffer, not into the save's copies (expose_host_copies re-points those chunks)."""
-    from test_offloader_cpu import make_coord
-
-    opt = MegatronShapedMany()
-    coord = make_coord(chunk_bytes=2048, chunked_step=True, private_host_reads=True)
-    off = coord.add_optimizer(opt)
-    coord.offload_existing_state()
-    for step in range(2):
-        chunked_iteration(opt, coord, step)
-    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
-        assert any(c.private for c in off.chunks)
-    off.expose_host_copies()  # what a host write does (state_access HOST_WRITE)
-    for chunk in (c for c in off.chunks if c.on_host):
-        assert not chunk.private
-        base = chunk.host.data_ptr()
-        assert all(base <= st.tensor.data_ptr() < base + chunk.nbytes for st in chunk.tensors)
-    coord.close()
+        coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=async_saves)
+        off = coord.add_optimizer(opt)
+        opt.sharded_state_dict = lambda model_sd, is_loading=False, off=off: save(model_sd, is_loading, off)
+        _wrap_state_access(coord, off, opt)
+        coord.offload_existing_state()
+        for step in range(3):
+            make_grads(ref.all_params(), step)
+            ref.step()
+            (chunked_iteration if chunked else one_iteration)(opt, coord, step)
+            opt.sharded_state_dict({})
+            resident, on_host, saved = seen[-1]
+            assert_bitwise_equal(saved, snapshot(ref))
+            if async_saves:
+                assert resident == 0 and on_host == len(off.chunks), (resident, on_host)
+                assert coord.phase is Phase.OFFLOADED
+            else:
+                assert resident > 0
+        coord.close()
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))

@@ -528,7 +528,7 @@ def test_async_save_and_fully_parallel_load_reach_the_config():
     from megatron_offload import megatron_args
 
     args = megatron_args.add_flags(argparse.ArgumentParser()).parse_args(["--offload-optimizer-states"])
-    assert not megatron_args.config_from_args(args).private_host_reads
+    assert not megatron_args.config_from_args(args).async_saves
     args.async_save, args.ckpt_fully_parallel_load = True, True
     config = megatron_args.config_from_args(args)
-    assert config.private_host_reads and not config.host_loads
+    assert config.async_saves and not config.host_loads

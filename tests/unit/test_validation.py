@@ -85,9 +85,17 @@ def test_exact_moment_dtypes_and_precision_aware_are_accepted(dtype):
 
 
 def test_async_save_is_supported():
-    """Its writer reads private copies of what is off the GPU (config_from_args sets
-    private_host_reads; tests/unit/test_chunked_step_cpu.py checks the copies)."""
+    """A save's reader then gets every chunk from the host (config_from_args sets async_saves;
+    tests/unit/test_async_save_cpu.py)."""
     assert problems(args(async_save=True)) == []
+
+
+@pytest.mark.parametrize("name", ["main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"])
+def test_async_save_refused_with_te_fp16_states(name):
+    found = problems(args(async_save=True, use_precision_aware_optimizer=True, **{name: "fp16"}))
+    assert len(found) == 1 and "--async-save" in found[0] and "fp16" in found[0], found
+    assert problems(args(async_save=True, use_precision_aware_optimizer=True, **{name: "bf16"})) == []
+    assert problems(args(use_precision_aware_optimizer=True, **{name: "fp16"})) == []
 
 
 def test_log_params_norm_is_supported():

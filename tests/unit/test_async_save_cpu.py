@@ -1,0 +1,79 @@
+"""What an asynchronous torch_dist save keeps of the host copies it read (issue 23, --async-save).
+
+The plugin exposes offloaded chunks to a save as views of its pinned buffer
+(`HostCopies.expose_host_copies`) and lets training go on while the save's writer runs; the next
+copy-outs rewrite that buffer. That is safe only because megatron-core's dist-checkpointing copies
+every CPU tensor that is a view of a larger storage before `save` returns
+(`FileSystemWriterAsync.prepare_write_data`), and because every view of the pinned buffer is one
+(`PinnedHostBuffer` keeps a tail no view covers). This test runs the installed megatron-core's real
+asynchronous save on the CPU (gloo, one process; in a subprocess, since the save starts a spawned
+helper process) and checks that the request it returns holds no byte of the buffer.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+SCRIPT = textwrap.dedent(r"""
+    import json, os, socket, sys, tempfile
+    import torch
+    import torch.distributed as dist
+
+
+    def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron_offload.host_buffer import PinnedHostBuffer
+
+        # A buffer holding exactly one tensor (the case a tail protects), and one holding two.
+        one = PinnedHostBuffer(4096, pin=False)
+        two = PinnedHostBuffer(2 * 4096, pin=False)
+        like = torch.empty(1024, dtype=torch.float32)
+        tensors = {"only": one.view(0, like), "first": two.view(0, like), "second": two.view(4096, like)}
+        for i, t in enumerate(tensors.values()):
+            t.fill_(i + 1)
+        sd = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
+        kwargs = {"async_sharded_save": True}
+        import inspect
+        if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+            kwargs["async_strategy"] = "mcore"  # (the default, nvrx, needs nvidia-resiliency-ext)
+        request = dist_checkpointing.save(sd, tempfile.mkdtemp(), **kwargs)
+        buffers = [b._storage.untyped_storage().data_ptr() for b in (one, two)]
+        kept = []
+        for arg in request.async_fn_args:
+            if isinstance(arg, list):
+                for _, _, (_, tensor_data) in arg:
+                    kept += [t for _, t in tensor_data]
+        shares = [t.untyped_storage().data_ptr() in buffers for t in kept]
+        # What the writer holds is a copy: rewriting the buffers now changes none of it.
+        for t in tensors.values():
+            t.fill_(-1)
+        values = sorted(float(t.float().mean()) for t in kept)
+        dist.destroy_process_group()
+        print(json.dumps({"kept": len(kept), "shares": shares, "values": values}))
+
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_an_async_save_keeps_copies_of_the_pinned_buffer_views(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["kept"] == 3, result
+    assert not any(result["shares"]), result
+    assert result["values"] == [1.0, 2.0, 3.0], result
