@@ -59,6 +59,9 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         name: for logs.
         copy_piece_bytes: split each chunk's copy into pieces of this size (0: one copy per chunk).
         by_parameter: pack all state tensors of a parameter into one chunk (the chunked step).
+        uniform_slots: give every chunk buffer the largest chunk's size, so that any freed chunk
+            block takes any chunk (the per-step offload; packing.py). False: each chunk its own
+            size (phase switches only, where the state comes back once and stays).
         fraction: share of the state bytes to offload (0 < fraction <= 1). The rest stays on the
             GPU untouched (not packed, never copied): whole tensors, the last ones in parameter
             order. Every byte costs the same to move and frees the same, so which ones stay is
@@ -74,11 +77,13 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         copy_piece_bytes: int = 0,
         fraction: float = 1.0,
         by_parameter: bool = False,
+        uniform_slots: bool = True,
     ):
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         self.fraction = float(fraction)
         self.by_parameter = by_parameter  # pack each parameter's state into one chunk (`_units`)
+        self.uniform_slots = uniform_slots
         self.kept: List[StateTensor] = []  # state tensors left resident by `fraction`
         self.dist_opt = dist_opt
         self.streams = streams

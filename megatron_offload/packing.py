@@ -11,7 +11,7 @@ import torch
 
 from .chunks import MIN_CHUNK_BYTES, MIN_CHUNKS, Chunk, ChunkState, _first_fit, _unit_bytes, _units, slot_bytes
 from .discovery import StateTensor, find_state_tensors
-from .host_buffer import PinnedHostBuffer
+from .host_buffer import PinnedHostBuffer, align_up
 
 logger = logging.getLogger("megatron_offload.offloader")
 
@@ -71,9 +71,11 @@ class Packing:
         # gets a new segment, i.e. *reserved* memory grows although allocated memory did not
         # (with two chunk sizes, a new segment at every reload; see [Note: one slot size] in
         # docs/design.md). With one slot size any freed chunk block takes any chunk.
+        # Phase switches alone (no per-step frees and reloads) bring the state back once and keep
+        # it: padding would only hold GPU memory (`uniform_slots`).
         slot = slot_bytes(max((c.nbytes for c in chunks), default=0))
         for chunk in chunks:
-            chunk.gpu_nbytes = slot
+            chunk.gpu_nbytes = slot if self.uniform_slots else align_up(chunk.nbytes, 512)
         # Pinned before anything is re-pointed: a refusal (host memory, `ulimit -l`) leaves every
         # chunk's GPU data as it was. Their old host copies are not needed (the GPU holds the
         # data), so the old buffer goes first, and the node never holds both.

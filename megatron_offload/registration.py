@@ -72,7 +72,7 @@ class Registration:
                 "build the optimizer with use_distributed_optimizer=True (--use-distributed-optimizer)")
         off = OptimizerStateOffloader(dist_opt, self.streams, self.config.chunk_bytes, name=name,
                                       copy_piece_bytes=self.config.copy_piece_bytes, fraction=self.state_fraction,
-                                      by_parameter=self.config.chunked_step)
+                                      by_parameter=self.config.chunked_step, uniform_slots=self.config.per_step)
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)
         if inner is None or getattr(dist_opt, "is_stub_optimizer", False):

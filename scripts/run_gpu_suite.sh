@@ -35,10 +35,11 @@ within_budget() { timeout $(( DEADLINE - $(date +%s) > 1 ? DEADLINE - $(date +%s
 # each folder installed into a site directory of its own.
 WHEELS=${WHEELS:-.whl}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-  SITE=/tmp/site${WHEELS#.whl}
+  SITE=/tmp/site; [ "$WHEELS" = .whl ] || SITE=/tmp/site_$(basename "$WHEELS")
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 1
   export PYTHONPATH=$SITE:$PWD
-  python3 -c 'import megatron.core as m; print("megatron-core", m.__version__)' | tee "$OUT/versions.txt"
+  python3 -c 'import megatron.core as m; print("megatron-core", m.__version__)' > "$OUT/versions.txt" || exit 1
+  cat "$OUT/versions.txt"
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi

@@ -55,6 +55,10 @@ def test_a_switcher_without_the_per_step_offload_moves_everything_and_steps_exac
         # odd steps: the next step runs with the state off; the pre-step hook takes it back
     coord.restore_all()  # (the last step left it off; reading freed storage is not a test)
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    # No per-step frees and reloads: chunk buffers are not padded to one slot size (the state
+    # comes back once and stays there while the loop trains).
+    assert all(c.gpu_nbytes - c.nbytes < 512 for c in off.chunks), off.chunks
+    assert len({c.gpu_nbytes for c in off.chunks}) > 1, off.chunks
 
 
 def test_phase_switches_are_refused_inside_an_iteration_a_reader_or_with_a_kept_share():
