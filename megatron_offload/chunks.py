@@ -119,7 +119,7 @@ class Chunk:
         self.tensors = tensors
         self.offsets = offsets  # of each tensor inside `buffer`
         self.nbytes = nbytes  # packed bytes (alignment padding included): what is copied and kept on the host
-        self.gpu_nbytes = nbytes  # GPU buffer size: the offloader's common slot size (>= nbytes)
+        self.gpu_nbytes = nbytes  # GPU buffer size (>= nbytes): the offloader's common slot size, where uniform
         self.buffer: Optional[torch.Tensor] = None  # uint8, `gpu_nbytes` on the device
         self.host: Optional[torch.Tensor] = None  # uint8 view of the pinned host buffer, `nbytes`
         self.state = ChunkState.RESIDENT

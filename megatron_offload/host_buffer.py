@@ -157,6 +157,11 @@ class PinnedHostBuffer:
         self._registered_ptr = ptr
         self.pinning = "cudaHostRegister"
 
+    @property
+    def bytes(self) -> torch.Tensor:
+        """The whole buffer as one uint8 tensor of `nbytes` (without the tail)."""
+        return self._storage[: self.nbytes]
+
     def view(self, offset: int, like: torch.Tensor) -> torch.Tensor:
         """A host tensor of `like`'s dtype and shape backed by bytes [offset, offset + nbytes)."""
         assert offset % ALIGNMENT == 0, offset

@@ -69,6 +69,10 @@ class StateAccess:
             self._trace(f"host_write:{off.name}")
         else:
             kind = Access.GPU
+            if self.config.async_saves and host_copies_ok and not will_modify and not enclosing:
+                # (validation refuses --async-save with TE's fp16 states; a custom loop may not)
+                logger.warning("megatron-offload: an asynchronous save reads %s's state on the GPU (TE fp16 "
+                               "states): the checkpoint worker keeps that memory until its write is done", off.name)
             self._take_back(off, will_modify)
         self._suspended += 1
         self._accesses.append((off, kind))
@@ -206,5 +210,6 @@ class StateAccess:
         off.start_copy_out()
         if self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.FREEING
-        elif kind is Access.HOST_READ and self.config.async_saves and self.resident_bytes == 0:
+        elif (kind is Access.HOST_READ and self.config.async_saves and self.resident_bytes == 0
+              and self.bytes_in(ChunkState.OFFLOADED)):
             self.phase = Phase.OFFLOADED  # (an asynchronous save sent everything out)

@@ -114,7 +114,9 @@ def problems(args) -> List[str]:
             "schedule functions the plugin paces itself by, so the state would never leave the GPU. "
             f"Drop one of them."
         )
-    if _get(args, "async_save", False) and _get(args, "use_precision_aware_optimizer", False):
+    # (megatron-core saves synchronously without the persistent worker, and says so)
+    if (_get(args, "async_save", False) and _get(args, "use_persistent_ckpt_worker", False)
+            and _get(args, "use_precision_aware_optimizer", False)):
         fp16 = [flag for flag, name in (("--main-params-dtype", "main_params_dtype"),
                                         ("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"))
                 if _is_fp16_dtype(_get(args, name))]

@@ -50,7 +50,7 @@ def pin(mode, nbytes):
         return t, lambda: torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
     if mode == "plugin":
         buf = PinnedHostBuffer(nbytes)
-        return buf._storage, buf.close
+        return buf.bytes, buf.close
     if mode == "pin_memory":
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), lambda: None
     raise ValueError(mode)

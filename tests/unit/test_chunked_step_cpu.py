@@ -576,3 +576,16 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked):
                 assert resident > 0
         coord.close()
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+def test_an_async_save_with_nothing_offloaded_leaves_the_phase_alone():
+    """A save before any state is packed (phase NO_STATE) must not mark the state offloaded: that
+    would switch on the per-layer gradient hooks and the cache releases of an offloaded phase."""
+    from test_offloader_cpu import make_coord
+
+    coord = make_coord(chunk_bytes=2048, async_saves=True)
+    coord.add_optimizer(MegatronShapedMany())
+    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
+        pass
+    assert coord.phase is Phase.NO_STATE
+    coord.close()

@@ -33,7 +33,7 @@ def test_forked_children_do_not_copy_the_pinned_buffer():
     before = _available()
     buf = PinnedHostBuffer(nbytes)
     assert buf.pinning == "cudaHostRegister" and buf.dontfork
-    buf._storage.copy_(torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda"), non_blocking=True)
+    buf.bytes.copy_(torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda"), non_blocking=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     pinned = before - _available()
@@ -44,7 +44,7 @@ def test_forked_children_do_not_copy_the_pinned_buffer():
     for p in procs:
         p.join()
     assert all(p.exitcode == 0 for p in procs)
-    assert int(buf._storage[nbytes - 1]) == 3
+    assert int(buf.bytes[nbytes - 1]) == 3
     buf.close()
     # Each forked copy would cost `nbytes`; allow a quarter of one for the children's own pages.
     assert with_children - pinned < nbytes // 4, (pinned / GIB, with_children / GIB)
