@@ -56,15 +56,11 @@ class StateAccess:
                 # chunk buffers shared so could not be freed (nor their memory reused) meanwhile.
                 # Everything leaves first; the save then reads host copies only (the D2H that a
                 # save without the plugin makes the worker do while training waits).
-                if off in self._copy_out_due:
-                    self._copy_out_due.remove(off)
-                off.send_out_now()
+                self._send_out_now(off)
             off.expose_host_copies()
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
-            if off in self._copy_out_due:
-                self._copy_out_due.remove(off)  # (stepped, still resident: sent out just below)
-            off.send_out_now()
+            self._send_out_now(off)
             off.expose_host_copies()
             self._trace(f"host_write:{off.name}")
         else:
@@ -129,11 +125,19 @@ class StateAccess:
         if first is not None:
             raise first
 
+    def _send_out_now(self, off: OptimizerStateOffloader) -> None:
+        """Every chunk of `off` OFFLOADED now (`send_out_now`); a copy-out owed since the step
+        (stepped, still resident) is part of it."""
+        if off in self._copy_out_due:
+            self._copy_out_due.remove(off)
+        off.send_out_now()
+
     def _hide_host_copies(self) -> None:
         """A save that read state on the host (`before_state_access`) has finished writing by the
         next forward (a synchronous save; an asynchronous one has cloned what it read before
-        `save_checkpoint` returned: expose_host_copies), and so has a load that wrote there: the tensors still off the GPU point back at their GPU buffers before
-        anything treats them as GPU tensors."""
+        `save_checkpoint` returned: expose_host_copies), and so has a load that wrote there: the
+        tensors still off the GPU point back at their GPU buffers before anything treats them as
+        GPU tensors."""
         if self._accesses:
             return  # still inside a reader or writer
         for off in self.offloaders:
