@@ -138,8 +138,14 @@ def soak_stats(iterations, warmup, window=100):
     first = max(it["max_reserved"] for it in timed[:window])
     last = max(it["max_reserved"] for it in timed[-window:])
     slowest = sorted(range(len(timed)), key=lambda i: timed[i]["ms"])[-5:]
+    keys = ("ms", "gc_ms", "alloc_retries", "device_allocs", "device_frees", "max_reserved")
     return {"iterations": len(timed), "p50_ms": p50, "p99_ms": p99, "p99_over_p50": p99 / p50,
             "max_ms": ms[-1], "slowest_iterations": [warmup + i + 1 for i in sorted(slowest)],
+            # The slowest iterations with what may explain them (records without a key: None).
+            "slowest": [{"iteration": warmup + i + 1, **{k: timed[i].get(k) for k in keys}} for i in sorted(slowest)],
+            # Every timed iteration's time and peak reserved memory, for later analysis.
+            "ms": [round(it["ms"], 2) for it in timed],
+            "max_reserved_mib": [it["max_reserved"] >> 20 for it in timed],
             "reserved_first_gib": first / 2**30, "reserved_last_gib": last / 2**30,
             "reserved_creep": last / first - 1}
 

@@ -30,6 +30,7 @@ Analyse it with scripts/alloc_trace.py.
 
 import hashlib
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -220,6 +221,26 @@ def write_gpu_timeline(profiler, path):
 
 _MARKER_STREAM = []
 
+# Milliseconds the cyclic garbage collector has run in this process so far (gc.callbacks).
+_GC_CLOCK = [0.0, None]
+
+
+def _gc_timer(phase, info):
+    if phase == "start":
+        _GC_CLOCK[1] = time.perf_counter()
+    elif _GC_CLOCK[1] is not None:
+        _GC_CLOCK[0] += (time.perf_counter() - _GC_CLOCK[1]) * 1e3
+        _GC_CLOCK[1] = None
+
+
+gc.callbacks.append(_gc_timer)
+
+
+def _allocator_counters():
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_allocs": stats.get("num_device_alloc", 0),
+            "device_frees": stats.get("num_device_free", 0)}
+
 
 def _marker_allocation(nbytes):
     """A tiny allocation, freed at once, on a stream of its own: scripts/alloc_trace.py reads its
@@ -352,6 +373,8 @@ class Recorder:
                                      "max_reserved": torch.cuda.max_memory_reserved()}
             # Peaks per iteration (the run's peak is the max over these and the start-up peak).
             torch.cuda.reset_peak_memory_stats()
+            counters = _allocator_counters()
+            gc_before = _GC_CLOCK[0]
             start = time.perf_counter()
             result = train_step(*a, **k)
             if profiler is not None:
@@ -384,6 +407,11 @@ class Recorder:
                     "skipped": int(result[1]),
                     "max_allocated": peaks[0],
                     "max_reserved": peaks[1],
+                    # What explains a slow iteration (the soak's outliers): Python GC time, and the
+                    # allocator's retries (cache flushed, then allocated again) and device
+                    # allocations / frees (mapping growth) during the iteration.
+                    "gc_ms": _GC_CLOCK[0] - gc_before,
+                    **{k: v - counters[k] for k, v in _allocator_counters().items()},
                 }
             )
             return result

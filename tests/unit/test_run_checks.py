@@ -147,12 +147,15 @@ def test_soak_stats_report_tail_latency_and_reserved_creep():
     from benchmark import soak_stats
 
     its = [{"ms": 100.0, "max_reserved": 1000 * MiB} for _ in range(320)]
-    its[150]["ms"] = 400.0  # one outlier: p99 of 300 timed iterations is the 297th of 300
+    its[150].update(ms=400.0, gc_ms=250.0, alloc_retries=1)  # one outlier: p99 of 300 is the 297th
     for it in its[-100:]:
         it["max_reserved"] = 1010 * MiB
     s = soak_stats(its, warmup=20)
     assert s["iterations"] == 300 and s["p50_ms"] == 100.0 and s["max_ms"] == 400.0
     assert s["p99_ms"] == 100.0 and 151 in s["slowest_iterations"]
+    outlier = next(o for o in s["slowest"] if o["iteration"] == 151)
+    assert outlier["gc_ms"] == 250.0 and outlier["alloc_retries"] == 1 and outlier["device_allocs"] is None
+    assert len(s["ms"]) == len(s["max_reserved_mib"]) == 300 and s["max_reserved_mib"][-1] == 1010
     assert abs(s["reserved_creep"] - 0.01) < 1e-9
     assert soak_stats(its[:150], warmup=20) is None  # too short for two windows
 
