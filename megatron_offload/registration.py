@@ -42,8 +42,6 @@ def in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-
-
 def _first_grad_tensor(output) -> Optional[torch.Tensor]:
     if isinstance(output, torch.Tensor):
         return output if output.requires_grad else None

@@ -27,6 +27,11 @@ def _is_fp8_dtype(value) -> bool:
     return str(value) in ("torch.uint8",) or "float8" in str(value)
 
 
+# The optimizer-state dtype flags of the precision-aware optimizer (flag, args attribute).
+MOMENT_DTYPE_FLAGS = (("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"))
+STATE_DTYPE_FLAGS = (("--main-params-dtype", "main_params_dtype"),) + MOMENT_DTYPE_FLAGS
+
+
 def _is_fp16_dtype(value) -> bool:
     return value is not None and str(value).lower() in ("fp16", "torch.float16", "float16")
 
@@ -91,7 +96,7 @@ def problems(args) -> List[str]:
             "the fp32 master weights before the next forward, while they are off the GPU. Drop "
             "one of them."
         )
-    for flag, name in (("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype")):
+    for flag, name in MOMENT_DTYPE_FLAGS:
         if _is_fp8_dtype(_get(args, name)):
             out.append(
                 f"{FLAG} cannot offload fp8 moments ({flag} fp8): they are Transformer Engine "
@@ -117,9 +122,7 @@ def problems(args) -> List[str]:
     # (megatron-core saves synchronously without the persistent worker, and says so)
     if (_get(args, "async_save", False) and _get(args, "use_persistent_ckpt_worker", False)
             and _get(args, "use_precision_aware_optimizer", False)):
-        fp16 = [flag for flag, name in (("--main-params-dtype", "main_params_dtype"),
-                                        ("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"))
-                if _is_fp16_dtype(_get(args, name))]
+        fp16 = [flag for flag, name in STATE_DTYPE_FLAGS if _is_fp16_dtype(_get(args, name))]
         if fp16:
             out.append(
                 f"{FLAG} cannot be combined with --async-save and fp16 optimizer states ({', '.join(fp16)} fp16): "

@@ -27,16 +27,13 @@ import torch
 GIB = 2**30
 
 
-def _distributed_optimizers(optimizer):
-    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        yield sub
-
-
 def _state_tensors(optimizer):
     """The masters and every state tensor (what offload_to_cpu moves), looked up afresh: Megatron's
     restore_from_cpu replaces the state tensors by new objects."""
+    from megatron_offload.megatron_wiring import iter_distributed_optimizers
+
     out = []
-    for dist_opt in _distributed_optimizers(optimizer):
+    for dist_opt in iter_distributed_optimizers(optimizer):
         inner = dist_opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
