@@ -14,7 +14,7 @@ from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
 class HostCopies:
     """Readers and writers on the host copies of offloaded chunks (module docstring)."""
 
-    def expose_host_copies(self) -> int:
+    def expose_host_copies(self, for_async_writer: bool = False) -> int:
         """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
         at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
         checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
@@ -26,7 +26,10 @@ class HostCopies:
         it must not keep these views. dist-checkpointing's writers clone every CPU tensor that is
         a view of a larger storage while the save runs (`FileSystemWriterAsync.
         prepare_write_data`), and every view here is (host_buffer.PinnedHostBuffer keeps a tail
-        that no view covers); tests/unit/test_async_save_cpu.py checks it on megatron-core."""
+        that no view covers); tests/unit/test_async_save_cpu.py checks it on megatron-core.
+        `for_async_writer` spares the writer that copy (and its worker queue's second one): large
+        tensors point at shared-memory snapshots of their host copies instead
+        (save_snapshot.SaveSnapshots), which it maps as they are."""
         chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host]
         if not chunks:
             return 0
@@ -40,7 +43,17 @@ class HostCopies:
             chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
             chunk.on_host = True
+        if for_async_writer:
+            self._point_at_snapshots(chunks)
         return len(chunks)
+
+    def _point_at_snapshots(self, chunks) -> None:
+        """The large tensors of `chunks` (pointing at their host copies) point at shared-memory
+        snapshots of them instead, where a set is free or can be made (else they stay views)."""
+        large = [st for c in chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
+        copies = self.snapshots.take([st.tensor.data for st in large]) if large else None
+        for st, copy in zip(large, copies or []):
+            st.tensor.data = copy
 
     def host_reads_supported(self) -> bool:
         """Whether a reader (a checkpoint save) can read the offloaded state on the host

@@ -41,6 +41,7 @@ from .host_buffer import PinnedHostBuffer
 from .host_copies import HostCopies
 from .materialize import StateMaterialization
 from .packing import Packing
+from .save_snapshot import SaveSnapshots
 from .streams import CopyStreams
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         self.name = name
         self.chunks: List[Chunk] = []
         self.host: Optional[PinnedHostBuffer] = None
+        self.snapshots = SaveSnapshots()  # for asynchronous saves (expose_host_copies); empty until one
         self.discovery = Discovery([], [])
         self.stats = streams.stats
         self._signature = None
@@ -291,3 +293,4 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
                 self.streams.compute.synchronize()
             self.host.close()
             self.host = None
+        self.snapshots.close()

@@ -55,9 +55,10 @@ class StateAccess:
                 # CUDA IPC, and the worker holds them until its write is done, iterations later:
                 # chunk buffers shared so could not be freed (nor their memory reused) meanwhile.
                 # Everything leaves first; the save then reads host copies only (the D2H that a
-                # save without the plugin makes the worker do while training waits).
+                # save without the plugin makes the worker do while training waits), the large
+                # ones from shared-memory snapshots that the worker maps without a copy.
                 self._send_out_now(off)
-            off.expose_host_copies()
+            off.expose_host_copies(for_async_writer=self.config.async_saves and not enclosing)
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
             self._send_out_now(off)

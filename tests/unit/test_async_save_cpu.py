@@ -7,7 +7,8 @@ every CPU tensor that is a view of a larger storage before `save` returns
 (`FileSystemWriterAsync.prepare_write_data`), and because every view of the pinned buffer is one
 (`PinnedHostBuffer` keeps a tail no view covers). This test runs the installed megatron-core's real
 asynchronous save on the CPU (gloo, one process; in a subprocess, since the save starts a spawned
-helper process) and checks that the request it returns holds no byte of the buffer.
+helper process) and checks that the request it returns holds no byte of the buffer, and that it
+holds a shared-memory snapshot (save_snapshot.SaveSnapshots) as it is, without a copy.
 """
 
 import json
@@ -41,6 +42,11 @@ SCRIPT = textwrap.dedent(r"""
         tensors = {"only": one.view(0, like), "first": two.view(0, like), "second": two.view(4096, like)}
         for i, t in enumerate(tensors.values()):
             t.fill_(i + 1)
+        # What an asynchronous save reads for large tensors: shared-memory snapshots.
+        from megatron_offload.save_snapshot import SaveSnapshots
+        snapshots = SaveSnapshots(check=lambda n: None)
+        (snap,) = snapshots.take([torch.full((1024,), 4.0)])
+        tensors["snapshot"] = snap
         sd = {k: ShardedTensor.from_rank_offsets(k, t, replica_id=0) for k, t in tensors.items()}
         kwargs = {"async_sharded_save": True}
         import inspect
@@ -54,12 +60,19 @@ SCRIPT = textwrap.dedent(r"""
                 for _, _, (_, tensor_data) in arg:
                     kept += [t for _, t in tensor_data]
         shares = [t.untyped_storage().data_ptr() in buffers for t in kept]
-        # What the writer holds is a copy: rewriting the buffers now changes none of it.
-        for t in tensors.values():
-            t.fill_(-1)
+        # The snapshot is handed over as it is (no clone; its queue sends the shared memory).
+        snapshot_kept = [t.untyped_storage().data_ptr() == snap.untyped_storage().data_ptr() for t in kept]
+        # What the writer holds of the buffers is a copy: rewriting them now changes none of it.
+        for name, t in tensors.items():
+            if name != "snapshot":
+                t.fill_(-1)
         values = sorted(float(t.float().mean()) for t in kept)
+        # While the request lives the snapshot set is in use: the next save gets another set.
+        (other,) = snapshots.take([torch.full((1024,), 5.0)])
+        reused_while_held = other.data_ptr() == snap.data_ptr()
         dist.destroy_process_group()
-        print(json.dumps({"kept": len(kept), "shares": shares, "values": values}))
+        print(json.dumps({"kept": len(kept), "shares": shares, "values": values, "snapshot_kept": snapshot_kept,
+                          "reused_while_held": reused_while_held, "snap_value": float(snap.mean())}))
 
 
     if __name__ == "__main__":
@@ -67,13 +80,15 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def test_an_async_save_keeps_copies_of_the_pinned_buffer_views(tmp_path):
+def test_an_async_save_copies_buffer_views_and_keeps_snapshots_as_they_are(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["kept"] == 3, result
+    assert result["kept"] == 4, result
     assert not any(result["shares"]), result
-    assert result["values"] == [1.0, 2.0, 3.0], result
+    assert result["values"] == [1.0, 2.0, 3.0, 4.0], result
+    assert sum(result["snapshot_kept"]) == 1, result
+    assert not result["reused_while_held"] and result["snap_value"] == 4.0, result

@@ -540,22 +540,30 @@ def test_a_save_right_after_a_chunked_step_reads_the_sent_out_chunks_from_the_ho
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
-def test_an_async_save_reads_every_chunk_from_the_host(chunked):
+def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
     """--async-save (OffloadConfig.async_saves): megatron-core's checkpoint worker holds the GPU
     tensors a save hands it (CUDA IPC) until its write is done, so a save must hand it none of the
     chunk buffers. Right after a step (the unchunked step leaves the whole state resident, the
     chunked one a budget's worth), the save's reader finds every chunk sent out and reads the host
-    copies, every byte as without offloading; training goes on bit-exactly. Without async_saves
-    the resident chunks are read on the GPU (the synchronous save's protocol)."""
+    copies, every byte as without offloading (here every tensor from a shared-memory snapshot that
+    is its whole storage, which the writer's process maps without a copy); training goes on
+    bit-exactly. Without async_saves the resident chunks are read on the GPU (the synchronous
+    save's protocol)."""
+    from megatron_offload import save_snapshot
     from megatron_offload.megatron_wiring import _wrap_state_access
     from test_offloader_cpu import make_coord, one_iteration
 
+    monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)  # (these tensors are small)
     for async_saves in (True, False):
         ref, opt = MegatronShapedMany(), MegatronShapedMany()
         seen = []
 
+        def whole_shared(t):
+            return t.is_shared() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
         def save(model_sd, is_loading=False, off=None):
-            seen.append((coord.resident_bytes, sum(c.on_host for c in off.chunks), snapshot(opt)))
+            shared = all(whole_shared(st.tensor) for c in off.chunks for st in c.tensors)
+            seen.append((coord.resident_bytes, sum(c.on_host for c in off.chunks), snapshot(opt), shared))
 
         coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=async_saves)
         off = coord.add_optimizer(opt)
@@ -567,8 +575,9 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked):
             ref.step()
             (chunked_iteration if chunked else one_iteration)(opt, coord, step)
             opt.sharded_state_dict({})
-            resident, on_host, saved = seen[-1]
+            resident, on_host, saved, shared = seen[-1]
             assert_bitwise_equal(saved, snapshot(ref))
+            assert shared == async_saves
             if async_saves:
                 assert resident == 0 and on_host == len(off.chunks), (resident, on_host)
                 assert coord.phase is Phase.OFFLOADED

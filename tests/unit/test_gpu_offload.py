@@ -120,6 +120,13 @@ def train(model, optimizer, coord=None, steps=6, microbatches=2, on_forward_end=
     return [float(x).hex() for x in losses], skipped
 
 
+def tensors_digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def digest(model, optimizer, coord=None):
     if coord:
         for off in coord.offloaders:
@@ -419,35 +426,48 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16, delay_cycles):
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
 def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, delay_cycles):
     """--async-save (async_saves): a save right after a step finds every chunk sent out (no GPU
-    chunk buffer for megatron-core's checkpoint worker to hold through its write), reads the host
-    copies as views of larger storages (which dist-checkpointing copies before the save returns:
-    tests/unit/test_async_save_cpu.py), every byte as without offloading; training goes on
-    bit-exactly under copy-stream delays."""
+    chunk buffer for megatron-core's checkpoint worker to hold through its write) and reads host
+    copies only: large tensors from shared-memory snapshots that are their whole storage (the
+    worker maps them without a copy), small ones as views of the pinned buffer (which
+    dist-checkpointing copies before the save returns: tests/unit/test_async_save_cpu.py), every
+    byte as without offloading. The writer of each save keeps what it read (its request holds the
+    tensors) while training goes on and the copy-outs rewrite the pinned buffer under copy-stream
+    delays, and a second save comes while the first still holds its set: what each kept stays as
+    it was read; training stays bit-exact."""
     ref_losses, _, ref_digest = reference()
     ref_model, ref_opt = build()
-    train(ref_model, ref_opt, steps=3)
-    saved_ref = digest(ref_model, ref_opt)
+    saved_ref = {}
+    for step in range(4):
+        train(ref_model, ref_opt, steps=1, first_step=step)
+        saved_ref[step] = digest(ref_model, ref_opt)
     del ref_model, ref_opt
     torch.cuda.empty_cache()
     model, optimizer = build()
     coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=chunked, chunk_bytes=8 * 2**20,
                    async_saves=True)
-    seen = {}
+    seen, kept = {}, {}
 
     def save(step):
-        if step != 2:
+        if step not in (2, 3):
             return
         with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
-            chunks = [c for off in coord.offloaders for c in off.chunks]
-            seen["resident"] = coord.resident_bytes
-            seen["on_host"] = all(c.on_host for c in chunks)
-            seen["views"] = all(st.tensor.untyped_storage().nbytes() > st.tensor.nbytes
-                                for c in chunks for st in c.tensors)
-            seen["digest"] = digest(model, optimizer)
+            tensors = [st.tensor for off in coord.offloaders for c in off.chunks for st in c.tensors]
+            whole = [t.is_shared() and t.untyped_storage().nbytes() == t.nbytes for t in tensors]
+            views = [t.untyped_storage().nbytes() > t.nbytes for t in tensors]
+            seen[step] = dict(resident=coord.resident_bytes, cpu=all(not t.is_cuda for t in tensors),
+                              snapshots=sum(whole), every_one=all(w or v for w, v in zip(whole, views)),
+                              digest=digest(model, optimizer), state=tensors_digest(tensors))
+            # The writer's request: the tensors themselves (snapshots), copies of the views.
+            kept[step] = [t.detach() if w else t.clone() for t, w in zip(tensors, whole)]
 
     losses, _ = train(model, optimizer, coord, between_steps=save)
-    assert seen["resident"] == 0 and seen["on_host"] and seen["views"], seen
-    assert seen["digest"] == saved_ref
+    for step in (2, 3):
+        assert seen[step]["resident"] == 0 and seen[step]["cpu"] and seen[step]["every_one"], seen
+        assert seen[step]["snapshots"] > 0, seen
+        assert seen[step]["digest"] == saved_ref[step]
+        # What each save's writer kept is still what it read, after the later copy-outs.
+        assert tensors_digest(kept[step]) == seen[step]["state"]
+    assert not {t.data_ptr() for t in kept[2]} & {t.data_ptr() for t in kept[3]}  # a held set is not reused
     assert losses == ref_losses
     assert digest(model, optimizer, coord) == ref_digest
     coord.close()

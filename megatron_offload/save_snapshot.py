@@ -1,0 +1,176 @@
+"""Shared-memory snapshots of the offloaded state for asynchronous checkpoint writers.
+
+An asynchronous save (megatron-core's persistent checkpoint worker, `--async-save`) hands what it
+reads to another process, which writes it while training goes on. CPU tensors reach that process in
+two copies unless they are already in the right form: dist-checkpointing clones every CPU tensor
+that is a view of a larger storage before `save` returns (`FileSystemWriterAsync.
+prepare_write_data`; every view of the pinned buffer is one, see `PinnedHostBuffer`), and the
+worker's queue moves every CPU storage that is not yet shared memory into shared memory. A tensor
+that is its whole storage and already in shared memory costs neither: the worker maps its pages.
+
+`SaveSnapshots` keeps such tensors, one per large state tensor, and fills them from the host
+copies at save time: one memory copy, spread over a few threads, into pages faulted in once. A set
+is reused by the next save once no earlier save holds it any more (megatron-core keeps its request,
+hence the tensors, until the write is finalized), so the next step's copy-out can rewrite the
+pinned buffer at once. Small tensors keep the buffer's views (cloned by the writer; cheap).
+
+[Note: snapshot cost]
+One set costs host memory equal to the offloaded bytes it covers (shared memory: /dev/shm, counted
+against the node's MemAvailable) for as long as training runs; a second set is made only while a
+save still writing holds the first. Where neither fits (`check`), the save falls back to the
+buffer's views, which the writer copies itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import resource
+from typing import Callable, List, Optional
+
+import torch
+
+from . import host_memory
+
+logger = logging.getLogger(__name__)
+
+# Tensors below this stay views of the pinned buffer: each snapshot is one shared-memory file
+# (one file descriptor while it lives) and small ones cost more in descriptors than in copies.
+MIN_SNAPSHOT_BYTES = 1 << 20
+# Sets kept at most: one being written by a pending save, one for the next save.
+MAX_SETS = 2
+# The copy into a set runs in pieces of at most this many bytes over COPY_THREADS threads (a
+# CPU copy releases the GIL; one thread copies at a fraction of the memory bandwidth).
+COPY_PIECE_BYTES = 64 << 20
+COPY_THREADS = 8
+# File descriptors left to everything else when sets are made (each snapshot keeps one open).
+FD_MARGIN = 512
+
+
+def _use_count(tensor: torch.Tensor) -> Optional[int]:
+    """References to `tensor`'s storage (tensors and storage objects, this call's own included),
+    or None where torch does not expose the count."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(tensor.untyped_storage()._cdata))
+
+
+def shared_memory_free() -> Optional[int]:
+    """Bytes free in /dev/shm (where torch's shared CPU storages live), or None if not there."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_descriptors(count: int) -> None:
+    """Raise HostMemoryError if `count` more open files would leave fewer than FD_MARGIN of this
+    process's limit (RLIMIT_NOFILE)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return
+    used = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    if used + count + FD_MARGIN > soft:
+        raise host_memory.HostMemoryError(
+            f"megatron-offload: an asynchronous save's snapshot needs {count} file descriptors, {used} of "
+            f"this process's {soft} are open (ulimit -n)")
+
+
+def check_room(nbytes: int) -> None:
+    """Raise HostMemoryError if a set of `nbytes` would not fit in shared memory or would leave
+    the node short of host memory (host_memory.check_can_pin's reserve)."""
+    free = shared_memory_free()
+    if free is not None and nbytes > free:
+        raise host_memory.HostMemoryError(
+            f"megatron-offload: an asynchronous save's snapshot needs {nbytes / 2**30:.2f} GiB of shared "
+            f"memory, /dev/shm has {free / 2**30:.2f} GiB free")
+    host_memory.check_can_pin(nbytes, what="asynchronous save's snapshot")
+
+
+class _Set:
+    """One snapshot per large tensor of a save, in the order the save's tensors were listed."""
+
+    def __init__(self, likes: List[torch.Tensor]):
+        self.tensors = [torch.empty(t.shape, dtype=t.dtype).share_memory_() for t in likes]
+        # (share_memory_ copies the new pages into shared memory: every page is faulted in now)
+        self._own = [_use_count(t) for t in self.tensors]
+        self.layout = [(t.shape, t.dtype) for t in likes]
+
+    def in_use(self) -> bool:
+        """Whether anything besides this set still refers to a snapshot (a pending save's request,
+        or state tensors still pointing at it)."""
+        counts = [_use_count(t) for t in self.tensors]
+        return any(c is None or c > own for c, own in zip(counts, self._own))
+
+    def fits(self, likes: List[torch.Tensor]) -> bool:
+        return self.layout == [(t.shape, t.dtype) for t in likes]
+
+
+class SaveSnapshots:
+    """Reusable shared-memory snapshots (module docstring). Before a set is made, `check` is
+    called with its bytes and `check_fds` with its number of files (tests fake the machine)."""
+
+    def __init__(self, check: Callable[[int], None] = check_room, threads: int = COPY_THREADS,
+                 check_fds: Callable[[int], None] = check_descriptors):
+        self._sets: List[_Set] = []
+        self._check = check
+        self._check_fds = check_fds
+        self._threads = threads
+        self._warned = False
+
+    @staticmethod
+    def selects(tensor: torch.Tensor) -> bool:
+        """Whether `tensor` gets a snapshot (else the save reads the buffer's view)."""
+        return tensor.numel() * tensor.element_size() >= MIN_SNAPSHOT_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by all sets."""
+        return sum(t.numel() * t.element_size() for s in self._sets for t in s.tensors)
+
+    def take(self, sources: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
+        free set (made if none is free and fewer than MAX_SETS exist). None if no set is free and
+        none can be made: the caller hands out the sources themselves."""
+        chosen = next((s for s in self._sets if s.fits(sources) and not s.in_use()), None)
+        if chosen is None:
+            # Sets of another layout (the state was re-packed) are dropped once free.
+            self._sets = [s for s in self._sets if s.fits(sources) or s.in_use()]
+            if len(self._sets) >= MAX_SETS:
+                self._warn("every snapshot set is still held by an earlier save")
+                return None
+            nbytes = sum(t.numel() * t.element_size() for t in sources)
+            try:
+                self._check(nbytes)
+                self._check_fds(len(sources))
+                chosen = _Set(sources)
+            except (host_memory.HostMemoryError, RuntimeError) as err:
+                self._warn(str(err))
+                return None
+            self._sets.append(chosen)
+        self._copy(chosen.tensors, sources)
+        return list(chosen.tensors)
+
+    def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+        pieces = []
+        for dst, src in zip(targets, sources):
+            d, s = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+            step = COPY_PIECE_BYTES
+            pieces += [(d[i:i + step], s[i:i + step]) for i in range(0, d.numel(), step)]
+        if self._threads <= 1 or len(pieces) <= 1:
+            for d, s in pieces:
+                d.copy_(s)
+            return
+        with concurrent.futures.ThreadPoolExecutor(min(self._threads, len(pieces))) as pool:
+            list(pool.map(lambda pair: pair[0].copy_(pair[1]), pieces))
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            logger.warning("megatron-offload: an asynchronous save reads the offloaded state from the pinned "
+                           "buffer's views, which the checkpoint writer copies while training waits (%s)", why)
+            self._warned = True
+
+    def close(self) -> None:
+        """Drop every set (their shared memory goes once no pending save holds it)."""
+        self._sets = []

@@ -1,0 +1,88 @@
+"""Shared-memory snapshots for asynchronous saves (save_snapshot.SaveSnapshots): each snapshot is
+its own shared storage holding its source's bytes; a set is reused only once nothing else holds it;
+a set still held by a pending save is never rewritten."""
+
+import logging
+
+import pytest
+import torch
+
+from megatron_offload import save_snapshot
+from megatron_offload.host_memory import HostMemoryError
+from megatron_offload.save_snapshot import SaveSnapshots
+
+
+def sources(seed, sizes=(300_000, 70_000), dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g).to(dtype) for n in sizes]
+
+
+def whole_shared(t):
+    return t.is_shared() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_snapshot_is_a_whole_shared_storage_with_the_source_bytes(monkeypatch, threads):
+    monkeypatch.setattr(save_snapshot, "COPY_PIECE_BYTES", 4096)  # many pieces over the threads
+    snaps = SaveSnapshots(check=lambda n: None, threads=threads)
+    src = sources(0, dtype=torch.bfloat16) + sources(1)
+    got = snaps.take(src)
+    assert [g.dtype for g in got] == [s.dtype for s in src]
+    assert all(whole_shared(g) for g in got)
+    assert all(torch.equal(g, s) for g, s in zip(got, src))
+    assert snaps.nbytes == sum(s.numel() * s.element_size() for s in src)
+
+
+def test_a_free_set_is_reused_and_a_held_one_is_never_rewritten(caplog):
+    snaps = SaveSnapshots(check=lambda n: None)
+    first = snaps.take(sources(0))
+    ptrs = [t.data_ptr() for t in first]
+    del first  # the save that read them is finalized
+    again = snaps.take(sources(1))
+    assert [t.data_ptr() for t in again] == ptrs  # reused: no new shared memory
+    held = [t.detach() for t in again]  # a pending save's request holds these
+    del again
+    second = snaps.take(sources(2))
+    assert [t.data_ptr() for t in second] != ptrs  # a second set
+    assert all(torch.equal(h, s) for h, s in zip(held, sources(1)))  # the held set untouched
+    kept = [t.detach() for t in second]
+    del second
+    with caplog.at_level(logging.WARNING):
+        assert snaps.take(sources(3)) is None  # both held: the caller hands out its views
+    assert "still held by an earlier save" in caplog.text
+    assert all(torch.equal(h, s) for h, s in zip(held, sources(1)))
+    assert all(torch.equal(k, s) for k, s in zip(kept, sources(2)))
+    del held
+    third = snaps.take(sources(3))
+    assert [t.data_ptr() for t in third] == ptrs and all(torch.equal(t, s) for t, s in zip(third, sources(3)))
+
+
+def test_a_new_layout_gets_a_new_set_and_the_old_one_goes():
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.take(sources(0))
+    other = snaps.take(sources(1, sizes=(1000,)))
+    assert len(other) == 1 and torch.equal(other[0], sources(1, sizes=(1000,))[0])
+    assert snaps.nbytes == 4000  # the first set (free, of the old layout) was dropped
+
+
+def test_no_room_for_a_set_hands_back_none_with_one_warning(caplog):
+    def refuse(nbytes):
+        raise HostMemoryError(f"no room for {nbytes}")
+
+    snaps = SaveSnapshots(check=refuse)
+    with caplog.at_level(logging.WARNING):
+        assert snaps.take(sources(0)) is None
+        assert snaps.take(sources(0)) is None
+    assert caplog.text.count("no room for 1480000") == 1
+    assert snaps.nbytes == 0
+
+
+def test_too_few_file_descriptors_hand_back_none(monkeypatch):
+    monkeypatch.setattr(save_snapshot.resource, "getrlimit", lambda what: (save_snapshot.FD_MARGIN + 1, 10**6))
+    snaps = SaveSnapshots(check=lambda n: None)
+    assert snaps.take(sources(0)) is None and snaps.nbytes == 0
+
+
+def test_only_large_tensors_get_snapshots():
+    big = torch.empty(save_snapshot.MIN_SNAPSHOT_BYTES // 4, dtype=torch.float32)
+    assert SaveSnapshots.selects(big) and not SaveSnapshots.selects(big[:-1])
