@@ -1,6 +1,6 @@
 """The caching allocator as the plugin sees it: readers of its statistics and free blocks, the
 optional release of cached free memory (`--offload-release-cached-memory`; methods of
-`OffloadCoordinator` over the attributes set in its `__init__`), and the process's allocator
+`OffloadCoordinator`, their attributes set by `_init_allocator_readers`), and the process's allocator
 setting (expandable segments, chosen before anything is allocated).
 """
 
@@ -22,6 +22,24 @@ RELEASE_POINTS = ("offloaded", "forward", "reload_window", "step_end")
 
 class CacheRelease:
     """Handing cached free memory back to the device, once per iteration at a chosen point."""
+
+    def _init_allocator_readers(self, probes) -> None:
+        """The allocator readers (`config.AllocatorProbes`: tests and CPU runs inject them) and the
+        release counters."""
+        self._allocated = probes.allocated or _allocator_stat(self.device, "current")
+        self._max_allocated = probes.max_allocated or _allocator_stat(self.device, "peak")
+        self._allocated_total = probes.allocated_total or _allocator_stat(self.device, "allocated")
+        self._empty_cache = probes.empty_cache or (torch.cuda.empty_cache if self.device.type == "cuda" else None)
+        # Sizes of the allocator's free blocks that a reload on the compute stream could use
+        # without a new segment (None: no such check, e.g. on CPU; `[]`: nothing ever fits, so
+        # no reload inside the backward).
+        self._free_block_sizes = probes.free_block_sizes
+        if not self.config.backward_reloads:
+            self._free_block_sizes = lambda: []
+        elif self._free_block_sizes is None and self.device.type == "cuda" and probes.allocated is None:
+            self._free_block_sizes = _free_block_reader(self.device, self.streams.compute)
+        self.cache_releases = 0
+        self.cache_release_ms = 0.0
 
     def _release_cache_at(self, point: str) -> None:
         if self.config.release_cache and point in self.config.release_at:

@@ -1,10 +1,12 @@
 """The chunked step's schedule (`--offload-chunked-step`): piece k of an offloader's step is its chunk
 k; which chunks are loaded ahead, stepped and sent out behind within the step's memory budget.
-Methods of `OffloadCoordinator` (chunked_step.py installs the piecewise step that calls them); the
-attributes they use are set in its `__init__`.
+Methods of `OffloadCoordinator` (chunked_step.py installs the piecewise step that calls them); their
+attributes are set by `_init_chunked_schedule`.
 """
 
 from __future__ import annotations
+
+from typing import List
 
 from . import chunked_step
 from .chunks import ChunkState
@@ -18,6 +20,12 @@ STEP_WINDOW_CHUNKS = 3
 
 class ChunkedStepSchedule:
     """The step budget and the admission, stepping and early release of chunks during the step."""
+
+    def _init_chunked_schedule(self) -> None:
+        self.step_budgets: List[int] = []  # the budget of each chunked step so far (bounded)
+        self._step_level = 0  # highest allocated level at a piece's start, this step and the last
+        self._last_step_level = 0
+        self._skipped_last_step = False
 
     def _step_budget(self) -> int:
         """Chunk bytes that may be resident during the step.

@@ -40,7 +40,7 @@ from typing import Callable, List, Optional
 import torch
 
 from . import auto_fraction
-from .allocator import CacheRelease, _allocator_stat, _free_block_reader
+from .allocator import CacheRelease
 from .calibration import Calibration
 from .chunked_schedule import ChunkedStepSchedule
 from .config import AllocatorProbes, OffloadConfig
@@ -99,20 +99,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._announce_fn = announce or (lambda msg: logger.info("megatron-offload: %s", msg))
         self._announced_bytes = 0
 
-        # Allocator readers (allocator.py), injected by tests and CPU runs.
-        self._allocated = probes.allocated or _allocator_stat(self.device, "current")
-        self._max_allocated = probes.max_allocated or _allocator_stat(self.device, "peak")
-        self._allocated_total = probes.allocated_total or _allocator_stat(self.device, "allocated")
+        self._init_allocator_readers(probes)  # (allocator.py; injected by tests and CPU runs)
         self._memory_room = probes.memory_room or auto_fraction.memory_room(self.device)
-        self._empty_cache = probes.empty_cache or (torch.cuda.empty_cache if self.device.type == "cuda" else None)
-        # Sizes of the allocator's free blocks that a reload on the compute stream could use
-        # without a new segment (None: no such check, e.g. on CPU; `[]`: nothing ever fits, so
-        # no reload inside the backward).
-        self._free_block_sizes = probes.free_block_sizes
-        if not config.backward_reloads:
-            self._free_block_sizes = lambda: []
-        elif self._free_block_sizes is None and self.device.type == "cuda" and probes.allocated is None:
-            self._free_block_sizes = _free_block_reader(self.device, self.streams.compute)
 
         # What the run changes: the automatic fraction chooses the share and stops measuring;
         # the chunked step's bound may be set explicitly (tests).
@@ -133,25 +121,13 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
         # One entry per state access in progress, innermost last: (offloader, state_access.Access).
         self._accesses: List[tuple] = []
+        self.host_read_seconds = 0.0  # host time spent preparing host reads (state_access), in all
         self._nested_writes: set = set()  # id() of offloaders written inside a nested access, until the outermost closes
 
-        # Across iterations: the first forward's growth profile (running max; memory_policy.py),
-        # the backward's workspace, the chunked step's levels, and counters for the report.
-        self.profile: List[int] = []
-        self.profile_end: Optional[int] = None
-        self.peak_growth: Optional[int] = None
-        self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
-        self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
-        self.step_budgets: List[int] = []  # the budget of each chunked step so far (bounded)
-        self._step_level = 0  # highest allocated level at a piece's start, this step and the last
-        self._last_step_level = 0
-        self._skipped_last_step = False
-        self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
-        self.fit_checks = 0  # calls of _free_block_sizes, and their host time
-        self.fit_check_ms = 0.0
-        self.reloads_deferred_for_fit = 0
-        self.cache_releases = 0
-        self.cache_release_ms = 0.0
+        # Across iterations (each concern's module): the first forward's growth profile and the
+        # backward's workspace, the chunked step's levels, and counters for the report.
+        self._init_memory_policy()
+        self._init_chunked_schedule()
 
     def _trace(self, what: str) -> None:
         self.events.append(what)

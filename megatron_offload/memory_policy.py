@@ -1,6 +1,6 @@
 """When state may stay on the GPU: the free budget of the first forward and the reloads of the last
-backward, as methods of `OffloadCoordinator` (this module's one job; the attributes it uses are set in
-`OffloadCoordinator.__init__`).
+backward, as methods of `OffloadCoordinator` (this module's one job; its attributes are set by
+`_init_memory_policy`).
 
 The memory budget. Let S be the state bytes being offloaded, A0 the allocated bytes when the
 iteration's first forward starts (state still resident) and g(t) the activation growth since then
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Optional
+from typing import List, Optional
 
 from .chunks import ChunkState
 from .phase import Phase
@@ -33,6 +33,17 @@ WORKSPACE_MIN_BLOCK = 64 * 2**20
 
 class MemoryPolicy:
     """The free budget (`_free_until`), the growth profile and the memory-aware reloads."""
+
+    def _init_memory_policy(self) -> None:
+        self.profile: List[int] = []  # the first forward's growth per layer (running max)
+        self.profile_end: Optional[int] = None
+        self.peak_growth: Optional[int] = None
+        self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
+        self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
+        self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
+        self.fit_checks = 0  # calls of _free_block_sizes, and their host time
+        self.fit_check_ms = 0.0
+        self.reloads_deferred_for_fit = 0
 
     def _pace_layer(self, h: int) -> None:
         """Layer `h` of the iteration's first forward is about to run (`layer_forward_begin`):

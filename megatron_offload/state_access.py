@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import time
 
 from .chunks import ChunkState
 from .offloader import OptimizerStateOffloader
@@ -50,6 +51,7 @@ class StateAccess:
         on_host = on_host and off.host_reads_supported()
         if on_host and not will_modify:
             kind = Access.HOST_READ
+            started = time.perf_counter()
             if self.config.async_saves and not enclosing:
                 # An asynchronous save hands GPU tensors to megatron-core's checkpoint worker by
                 # CUDA IPC, and the worker holds them until its write is done, iterations later:
@@ -59,6 +61,7 @@ class StateAccess:
                 # ones from shared-memory snapshots that the worker maps without a copy.
                 self._send_out_now(off)
             off.expose_host_copies(for_async_writer=self.config.async_saves and not enclosing)
+            self.host_read_seconds += time.perf_counter() - started
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
             self._send_out_now(off)

@@ -196,6 +196,16 @@ def _offloaded_bytes_now():
     return coord.bytes_in(ChunkState.OFFLOADED) if coord is not None else 0
 
 
+def _host_read_seconds():
+    """megatron-offload's host time preparing host reads so far (0 without it)."""
+    try:
+        from megatron_offload import megatron_wiring
+    except ImportError:
+        return 0.0
+    coord = megatron_wiring.coordinator
+    return coord.host_read_seconds if coord is not None else 0.0
+
+
 def write_gpu_timeline(profiler, path):
     """The profiled iteration's GPU activity, compactly: [start us, duration us, stream, kind,
     bytes or 0, name] per kernel / memcpy / memset, from the profiler's trace (what a timeline
@@ -454,11 +464,14 @@ class Recorder:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             off_gpu = _offloaded_bytes_now()
+            prep = _host_read_seconds()
             t0 = time.perf_counter()
             out = save_checkpoint(*a, **k)
             seconds = time.perf_counter() - t0  # what training waits for (--async-save: the scheduling)
             self.saves.append({"allocated_before": before, "max_allocated": torch.cuda.max_memory_allocated(),
                                "seconds": seconds,
+                               # of which the plugin's preparation of host reads (send-out, snapshots)
+                               "plugin_seconds": _host_read_seconds() - prep,
                                "max_reserved": torch.cuda.max_memory_reserved(),
                                "offloaded_before": off_gpu,  # state bytes off the GPU when the save began
                                "after_iteration": len(self.iterations)})

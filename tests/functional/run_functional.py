@@ -230,7 +230,8 @@ def main(argv=None):
               + ", ".join(f"{r.get('offloaded_bytes', 0) / 2**30:.3f}" for r in run["ranks"]) + " | "
               + ", ".join(f"{r.get('pinned_bytes', 0) / 2**30:.3f}" for r in run["ranks"]) + " | "
               + f"{(run.get('host') or {}).get('drop', 0) / 2**30:.2f} | "
-              + ", ".join(f"{sv['seconds']:.2f}" for sv in run["ranks"][0].get("saves", []) if "seconds" in sv) + " |")
+              + ", ".join(f"{sv['seconds']:.2f}" + (f" ({sv['plugin_seconds']:.2f} plugin)" if sv.get("plugin_seconds") else "")
+                          for sv in run["ranks"][0].get("saves", []) if "seconds" in sv) + " |")
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")
     with open(os.path.join(opts.out, "functional_summary.json"), "w") as f:
