@@ -55,11 +55,11 @@ STATE_WRITERS = (
     "restore_from_cpu",
 )
 # Those that may run on the host copies of what is off the GPU (coordinator.before_state_access):
-# a torch_dist save or load (`sharded_state_dict`, then `load_state_dict`). The masters' refresh
-# from the model after a model-only load (`reload_model_params`, element-wise copies that would
-# work on the host too, not run on a GPU that way yet), the legacy per-file load and Megatron's
-# own CPU round trip (RL) get the state back first.
-HOST_ACCESS_OK = ("sharded_state_dict", "load_state_dict")
+# a torch_dist save or load (`sharded_state_dict`, then `load_state_dict`), and the masters'
+# refresh from the model after a model-only load (`reload_model_params`: in-place copies from the
+# GPU params into the masters' host copies). The legacy per-file load and Megatron's own CPU round
+# trip (RL) get the state back first.
+HOST_ACCESS_OK = ("sharded_state_dict", "load_state_dict", "reload_model_params")
 
 _installed = False
 _stepped_aside = False

@@ -20,6 +20,10 @@ scripts/pretrain_gpt_mock.py; --script mock|upstream|PATH chooses. Runs (mock da
   crash             offload, saves at iters/2, then every rank SIGKILLs itself mid-iteration 2
                     iterations later (tests/functional/recorded_launch.py, by process id)
   resume_after_crash offload, resumes the crashed run's last checkpoint
+  model_only_plain  no offload, loads only the model of the offload run's checkpoint (--no-load-optim:
+                    megatron-core refreshes the masters from it, `reload_model_params`); not by default
+  model_only_offload the same with offloading: its losses and params equal model_only_plain's, and the
+                    refresh writes into the host copies (no state on the GPU at start-up)
 and checks: losses bit-identical at every iteration (as train_step returned them; Megatron's printed
 losses follow from them by its logging rule, scripts/megatron_runs.megatron_printed), identical final parameters and optimizer state (SHA-256 per rank), steady peak
 reserved memory lower by at least half the offloaded bytes, saves with state off the GPU bounded,
@@ -83,6 +87,25 @@ def compare_runs(runs, printed, iters, nproc):
             if differ else "") + (f"; Megatron prints the mean of a run's first two at {first + 1}" if rule else "") + ")"
         return ok, detail
 
+    def load_stays_off_the_gpu(name, fresh_run):
+        """The plugin attaches before the resume's load, which writes into the host copies:
+        start-up holds no more than a fresh start with offloading (a quarter of the state of
+        slack; the moments that a load on the GPU allocates are two thirds of it)."""
+        for r in range(nproc):
+            rank = runs[name]["ranks"][r]
+            fresh, resumed = (runs[n]["ranks"][r]["startup_peak"]["max_allocated"] for n in (fresh_run, name))
+            state = rank.get("offloaded_bytes", 0)
+            detail = (f"(start-up peak {resumed / 2**30:.2f} GiB, fresh start {fresh / 2**30:.2f} GiB, "
+                      f"state {state / 2**30:.2f} GiB)")
+            inner = rank.get("inner_optimizers") or []
+            if any("transformer_engine" in o for o in inner):
+                # TE FusedAdam rebuilds its state on load: the load cannot write into the
+                # host copies and takes the state back (bounded load: torch Adam only).
+                print(f"[INFO] {name}: rank {r} load on the GPU (TE FusedAdam) {detail}", flush=True)
+                continue
+            check(f"{name}: rank {r} the load brought no optimizer state to the GPU",
+                  state > 0 and resumed <= fresh + state // 4, detail)
+
     if "baseline" in runs:
         b = runs["baseline"]
         if "no_plugin" in runs:
@@ -110,6 +133,19 @@ def compare_runs(runs, printed, iters, nproc):
                 else:  # the unchunked step saves with the whole state resident: nothing to bound there
                     check(f"{name}: rank {r} checkpoint save reads what is off the GPU from the host",
                           *save_growth_check(br, orr))
+    if "model_only_plain" in runs and "model_only_offload" in runs:
+        name, plain = "model_only_offload", runs["model_only_plain"]
+        got, want = losses(runs[name]), losses(plain)
+        check(f"{name}: losses identical to the same model-only load without offloading",
+              got == want and len(got) == iters - half, f"({sum(x == y for x, y in zip(got, want))}/{len(want)} equal)")
+        check(f"{name}: printed losses identical", *same_printed(name, "model_only_plain", half + 1))
+        for r in range(nproc):
+            check(f"{name}: rank {r} final params identical",
+                  runs[name]["ranks"][r]["params_sha256"] == plain["ranks"][r]["params_sha256"])
+            check(f"{name}: rank {r} final optimizer state identical",
+                  runs[name]["ranks"][r]["optimizer_state_sha256"] == plain["ranks"][r]["optimizer_state_sha256"])
+        if "offload" in runs:
+            load_stays_off_the_gpu(name, "offload")
     for name, ref, source in (("resume_offload", "offload", "offload"),
                               ("resume_chunked", "offload_chunked", "offload_chunked"),
                               ("resume_plain", "offload", "offload"),
@@ -125,23 +161,7 @@ def compare_runs(runs, printed, iters, nproc):
                       runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
             fresh_run = "offload_chunked" if name == "resume_chunked" else "offload"
             if name != "resume_plain" and fresh_run in runs:
-                # The plugin attaches before the resume's load, which writes into the host copies:
-                # start-up holds no more than a fresh start with offloading (a quarter of the state
-                # of slack; the moments that a load on the GPU allocates are two thirds of it).
-                for r in range(nproc):
-                    rank = runs[name]["ranks"][r]
-                    fresh, resumed = (runs[n]["ranks"][r]["startup_peak"]["max_allocated"] for n in (fresh_run, name))
-                    state = rank.get("offloaded_bytes", 0)
-                    detail = (f"(start-up peak {resumed / 2**30:.2f} GiB, fresh start {fresh / 2**30:.2f} GiB, "
-                              f"state {state / 2**30:.2f} GiB)")
-                    inner = rank.get("inner_optimizers") or []
-                    if any("transformer_engine" in o for o in inner):
-                        # TE FusedAdam rebuilds its state on load: the load cannot write into the
-                        # host copies and takes the state back (bounded load: torch Adam only).
-                        print(f"[INFO] {name}: rank {r} load on the GPU (TE FusedAdam) {detail}", flush=True)
-                        continue
-                    check(f"{name}: rank {r} the load brought no optimizer state to the GPU",
-                          state > 0 and resumed <= fresh + state // 4, detail)
+                load_stays_off_the_gpu(name, fresh_run)
 
     return checks
 
@@ -190,6 +210,8 @@ def main(argv=None):
         "resume_plain": base + resume("offload"),
         "plain_to_offload": base + resume("baseline") + offload,
         "resume_after_crash": base + resume("crash") + offload,
+        "model_only_plain": base + resume("offload") + ["--no-load-optim"],
+        "model_only_offload": base + resume("offload") + ["--no-load-optim"] + offload,
     }
     for name in cases:
         if name == "crash":
@@ -209,7 +231,7 @@ def main(argv=None):
             log = open(os.path.join(opts.out, f"{name}.log")).read()
             check(f"{name}: the saves ran asynchronously", "Disabling --async-save" not in log
                   and "scheduled an async checkpoint save" in log)
-        first = half + 1 if name.startswith(("resume", "plain_to")) else 1
+        first = half + 1 if name.startswith(("resume", "plain_to", "model_only")) else 1
         want = megatron_printed(losses(runs[name]), first)
         differ = sorted(i for i in want if printed[name].get(i) != want[i])
         check(f"{name}: every printed loss is Megatron's logging of the recorded losses",

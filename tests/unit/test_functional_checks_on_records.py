@@ -104,3 +104,23 @@ def test_a_resumed_printed_loss_off_the_logging_rule_fails(recorded):
     runs, printed = recorded
     printed["resume_offload"][25] = "1.000000E+00"
     assert failed(runs, printed) == ["resume_offload: printed losses identical to the uninterrupted run"]
+
+
+def with_model_only_pair(runs, printed):
+    """A model-only pair shaped like the resumes (both runs resume the same checkpoint, one with
+    offloading), which the recorded run predates."""
+    for pair, source in (("model_only_plain", "resume_plain"), ("model_only_offload", "resume_offload")):
+        runs[pair] = copy.deepcopy(runs[source])
+        printed[pair] = dict(printed[source])
+    return runs, printed
+
+
+def test_a_model_only_pair_passes_and_each_broken_part_fails(recorded):
+    runs, printed = with_model_only_pair(*recorded)
+    checks = [what for what, _, _ in compare_runs(runs, printed, ITERS, NPROC) if what.startswith("model_only")]
+    assert len(checks) == 5 and failed(runs, printed) == []
+    its = runs["model_only_offload"]["ranks"][0]["iterations"]
+    its[3]["loss"] = (float.fromhex(its[3]["loss"]) * (1 + 2**-20)).hex()
+    runs["model_only_offload"]["ranks"][0]["startup_peak"]["max_allocated"] += runs["offload"]["ranks"][0]["offloaded_bytes"]
+    assert failed(runs, printed) == ["model_only_offload: losses identical to the same model-only load without offloading",
+                                     "model_only_offload: rank 0 the load brought no optimizer state to the GPU"]

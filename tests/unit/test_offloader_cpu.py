@@ -1177,6 +1177,50 @@ def test_a_checkpoint_load_writes_into_the_host_copies_and_brings_nothing_back(w
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
 
 
+@pytest.mark.parametrize("when", ["at_start_up", "after_two_steps"])
+def test_a_model_only_load_refreshes_the_masters_on_the_host_and_brings_nothing_back(when):
+    """`reload_model_params` (a model-only load: --no-load-optim, --finetune) copies the model's
+    params into the fp32 masters (DistributedOptimizer._copy_model_params_to_main_params, in
+    place). With the state off the GPU it writes into the masters' host copies: no chunk is
+    allocated on the GPU, nothing is copied in, and training goes on bit-exactly against an
+    optimizer whose masters were refreshed directly."""
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
+
+    def reload_model_params(state_dict=None):
+        for model, master in zip(opt.model_bf16, opt.shard_fp32_from_float16_groups[0]):
+            master.data.copy_(model)
+
+    opt.reload_model_params = reload_model_params
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    steps = 2 if when == "after_two_steps" else 0
+    for step in range(steps):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    g = torch.Generator().manual_seed(7)
+    loaded = [torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in ref.model_bf16]
+    for o in (ref, opt):
+        for model, new in zip(o.model_bf16, loaded):
+            model.copy_(new)
+    for model, master in zip(ref.model_bf16, ref.shard_fp32_from_float16_groups[0]):
+        master.detach().copy_(model)
+    h2d = coord.streams.stats.cumulative_h2d_bytes
+    opt.reload_model_params()
+    assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
+    assert all(storage_bytes(c.buffer) == 0 and c.on_host and c.host_valid for c in off.chunks)
+    assert "host_write:optimizer" in coord.events
+    for step in range(steps, steps + 3):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+
+
 def test_a_writer_that_replaces_state_tensors_on_the_host_is_refused():
     """host_writes_supported promises that the writer keeps the tensor objects; one that replaces
     them would leave the optimizer with tensors the offloader does not know, on the CPU."""
