@@ -35,6 +35,9 @@ class OffloadConfig:
     timing: bool = True  # CUDA events around the copies, for the per-iteration log
     host_loads: bool = True  # checkpoint loads may write into the host copies
     async_saves: bool = False  # checkpoint saves are asynchronous (state_access: nothing resident is read)
+    # ... through megatron-core's own strategy, whose queue keeps a save's request until its write is
+    # finalized: large tensors are read from shared-memory snapshots (save_snapshot.py)
+    async_save_snapshots: bool = False
     per_step: bool = True  # offload after every step (the flag); False: phase switches only (phase_switch.py)
     # Diagnostic switches (the benchmark sets them to measure alternatives; defaults are the product):
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward

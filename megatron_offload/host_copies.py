@@ -30,7 +30,15 @@ class HostCopies:
         `for_async_writer` spares the writer that copy (and its worker queue's second one): large
         tensors point at shared-memory snapshots of their host copies instead
         (save_snapshot.SaveSnapshots), which it maps as they are."""
-        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if not c.on_host]
+        offloaded = self.chunks_in(ChunkState.OFFLOADED)
+        if not for_async_writer:
+            # Chunks still exposed to an earlier asynchronous save may point at its snapshots,
+            # which its writer may still be reading: any other reader or writer (a load, the
+            # masters' refresh) works on the host copies themselves, which are the state.
+            for chunk in offloaded:
+                if chunk.on_host:
+                    self._point_at(chunk, chunk.host)
+        chunks = [c for c in offloaded if not c.on_host]
         if not chunks:
             return 0
         if self.device.type == "cuda":

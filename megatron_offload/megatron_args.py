@@ -140,4 +140,8 @@ def config_from_args(args) -> OffloadConfig:
         # megatron-core turns --async-save off itself without --use-persistent-ckpt-worker
         # (validate_args, which runs before this).
         async_saves=bool(getattr(args, "async_save", False)),
+        # Snapshots rely on the request's lifetime in megatron-core's own queue (`mcore`); other
+        # strategies (nvidia-resiliency-ext's) read the views, which the writer copies.
+        async_save_snapshots=bool(getattr(args, "async_save", False))
+        and getattr(args, "async_strategy", "mcore") == "mcore",
     ), **DIAGNOSTICS)

@@ -16,8 +16,8 @@ pinned buffer at once. Small tensors keep the buffer's views (cloned by the writ
 
 [Note: snapshot cost]
 One set costs host memory equal to the offloaded bytes it covers (shared memory: /dev/shm, counted
-against the node's MemAvailable) for as long as training runs; a second set is made only while a
-save still writing holds the first. Where neither fits (`check`), the save falls back to the
+against the node's MemAvailable) for as long as training runs; a second set is made only when a
+save finds the first still held by one writing (so up to twice those bytes, kept once made). Where neither fits (`check`), the save falls back to the
 buffer's views, which the writer copies itself.
 """
 
@@ -48,11 +48,13 @@ COPY_THREADS = 8
 FD_MARGIN = 512
 
 
-def _use_count(tensor: torch.Tensor) -> Optional[int]:
-    """References to `tensor`'s storage (tensors and storage objects, this call's own included),
-    or None where torch does not expose the count."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(tensor.untyped_storage()._cdata))
+# References to a storage (tensors and storage objects); None where torch does not expose it.
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """References to `tensor`'s storage, this call's own storage object included."""
+    return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata))
 
 
 def shared_memory_free() -> Optional[int]:
@@ -66,7 +68,9 @@ def shared_memory_free() -> Optional[int]:
 
 def check_descriptors(count: int) -> None:
     """Raise HostMemoryError if `count` more open files would leave fewer than FD_MARGIN of this
-    process's limit (RLIMIT_NOFILE)."""
+    process's limit (RLIMIT_NOFILE). A set of n snapshots keeps n open and its save briefly
+    duplicates each again (the worker queue sends descriptors): `take` asks for 2n. A queue
+    that runs out of descriptors drops the request, and a blocking finalize then waits forever."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return
@@ -79,13 +83,18 @@ def check_descriptors(count: int) -> None:
 
 def check_room(nbytes: int) -> None:
     """Raise HostMemoryError if a set of `nbytes` would not fit in shared memory or would leave
-    the node short of host memory (host_memory.check_can_pin's reserve)."""
+    the node less host memory than host_memory.RESERVE_BYTES."""
     free = shared_memory_free()
     if free is not None and nbytes > free:
         raise host_memory.HostMemoryError(
             f"megatron-offload: an asynchronous save's snapshot needs {nbytes / 2**30:.2f} GiB of shared "
             f"memory, /dev/shm has {free / 2**30:.2f} GiB free")
-    host_memory.check_can_pin(nbytes, what="asynchronous save's snapshot")
+    memory = host_memory.read()
+    headroom = memory.headroom
+    if headroom is not None and nbytes + host_memory.RESERVE_BYTES > headroom:
+        raise host_memory.HostMemoryError(
+            f"megatron-offload: an asynchronous save's snapshot needs {nbytes / 2**30:.2f} GiB of host memory, "
+            f"{headroom / 2**30:.2f} GiB can be taken ({memory.describe()})")
 
 
 class _Set:
@@ -100,8 +109,7 @@ class _Set:
     def in_use(self) -> bool:
         """Whether anything besides this set still refers to a snapshot (a pending save's request,
         or state tensors still pointing at it)."""
-        counts = [_use_count(t) for t in self.tensors]
-        return any(c is None or c > own for c, own in zip(counts, self._own))
+        return any(_use_count(t) > own for t, own in zip(self.tensors, self._own))
 
     def fits(self, likes: List[torch.Tensor]) -> bool:
         return self.layout == [(t.shape, t.dtype) for t in likes]
@@ -133,6 +141,9 @@ class SaveSnapshots:
         """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
         free set (made if none is free and fewer than MAX_SETS exist). None if no set is free and
         none can be made: the caller hands out the sources themselves."""
+        if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
+            self._warn("this torch does not expose storage reference counts")
+            return None
         chosen = next((s for s in self._sets if s.fits(sources) and not s.in_use()), None)
         if chosen is None:
             # Sets of another layout (the state was re-packed) are dropped once free.
@@ -143,7 +154,7 @@ class SaveSnapshots:
             nbytes = sum(t.numel() * t.element_size() for t in sources)
             try:
                 self._check(nbytes)
-                self._check_fds(len(sources))
+                self._check_fds(2 * len(sources))
                 chosen = _Set(sources)
             except (host_memory.HostMemoryError, RuntimeError) as err:
                 self._warn(str(err))

@@ -60,7 +60,7 @@ class StateAccess:
                 # save without the plugin makes the worker do while training waits), the large
                 # ones from shared-memory snapshots that the worker maps without a copy.
                 self._send_out_now(off)
-            off.expose_host_copies(for_async_writer=self.config.async_saves and not enclosing)
+            off.expose_host_copies(for_async_writer=self.config.async_save_snapshots and not enclosing)
             self.host_read_seconds += time.perf_counter() - started
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
@@ -76,6 +76,11 @@ class StateAccess:
             self._take_back(off, will_modify)
         self._suspended += 1
         self._accesses.append((off, kind))
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host bytes held in shared-memory snapshots for asynchronous saves (save_snapshot.py)."""
+        return sum(off.snapshots.nbytes for off in self.offloaders)
 
     @property
     def open_state_accesses(self) -> tuple:
@@ -137,11 +142,11 @@ class StateAccess:
         off.send_out_now()
 
     def _hide_host_copies(self) -> None:
-        """A save that read state on the host (`before_state_access`) has finished writing by the
-        next forward (a synchronous save; an asynchronous one has cloned what it read before
-        `save_checkpoint` returned: expose_host_copies), and so has a load that wrote there: the
-        tensors still off the GPU point back at their GPU buffers before anything treats them as
-        GPU tensors."""
+        """A save that read state on the host (`before_state_access`) is done with the state
+        tensors by the next forward (a synchronous save has written; an asynchronous one holds
+        copies of the views it read, and the snapshots it read, which no one rewrites while it
+        holds them: expose_host_copies), and so is a load that wrote there: the tensors still off
+        the GPU point back at their GPU buffers before anything treats them as GPU tensors."""
         if self._accesses:
             return  # still inside a reader or writer
         for off in self.offloaders:

@@ -196,6 +196,16 @@ def _offloaded_bytes_now():
     return coord.bytes_in(ChunkState.OFFLOADED) if coord is not None else 0
 
 
+def _snapshot_bytes():
+    """Host bytes of megatron-offload's shared-memory snapshots for asynchronous saves (0 without it)."""
+    try:
+        from megatron_offload import megatron_wiring
+    except ImportError:
+        return 0
+    coord = megatron_wiring.coordinator
+    return coord.snapshot_bytes if coord is not None else 0
+
+
 def _host_read_seconds():
     """megatron-offload's host time preparing host reads so far (0 without it)."""
     try:
@@ -472,6 +482,7 @@ class Recorder:
                                "seconds": seconds,
                                # of which the plugin's preparation of host reads (send-out, snapshots)
                                "plugin_seconds": _host_read_seconds() - prep,
+                               "snapshot_bytes": _snapshot_bytes(),  # shared memory for async saves, after it
                                "max_reserved": torch.cuda.max_memory_reserved(),
                                "offloaded_before": off_gpu,  # state bytes off the GPU when the save began
                                "after_iteration": len(self.iterations)})

@@ -10,7 +10,7 @@
 # reserved and allocated, host drop, losses equal to the first baseline's).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OLD=$1 REPS=$2 DIR=$3; shift 3
+OLD=$(realpath "$1") REPS=$2 DIR=$(realpath -m "$3"); shift 3
 mkdir -p "$DIR"
 for rep in $(seq 1 "$REPS"); do
   for tree in new old; do

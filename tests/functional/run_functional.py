@@ -45,6 +45,9 @@ from megatron_runs import (  # noqa: E402
 
 CASES = ("baseline,no_plugin,offload,offload_chunked,resume_offload,resume_plain,plain_to_offload,crash,"
          "resume_after_crash")
+LOADS_FROM = {"resume_offload": "offload", "resume_chunked": "offload_chunked", "resume_plain": "offload",
+              "plain_to_offload": "baseline", "resume_after_crash": "crash", "model_only_plain": "offload",
+              "model_only_offload": "offload"}
 # Iterations left out of the steady-state memory comparison (start-up, first step's packing).
 WARMUP = 3
 
@@ -180,6 +183,11 @@ def main(argv=None):
     script = choose_script(opts.script)
     print(f"training script: {script}", flush=True)
     cases = opts.cases.split(",")
+    # A case that loads another's checkpoint needs that case earlier in the same call (checkpoints
+    # are removed at the start).
+    for name, source in LOADS_FROM.items():
+        if name in cases and (source not in cases or cases.index(source) > cases.index(name)):
+            raise SystemExit(f"--cases: {name} needs {source} before it (it loads that run's checkpoint)")
     half = opts.iters // 2
     # Megatron prints every iteration's loss: those printed values are compared too.
     base = model_args(opts.iters) + ["--deterministic-mode", "--log-interval", "1"] + " ".join(opts.extra).split()

@@ -565,7 +565,8 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
             shared = all(whole_shared(st.tensor) for c in off.chunks for st in c.tensors)
             seen.append((coord.resident_bytes, sum(c.on_host for c in off.chunks), snapshot(opt), shared))
 
-        coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=async_saves)
+        coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=async_saves,
+                           async_save_snapshots=async_saves)
         off = coord.add_optimizer(opt)
         opt.sharded_state_dict = lambda model_sd, is_loading=False, off=off: save(model_sd, is_loading, off)
         _wrap_state_access(coord, off, opt)

@@ -444,7 +444,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     torch.cuda.empty_cache()
     model, optimizer = build()
     coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=chunked, chunk_bytes=8 * 2**20,
-                   async_saves=True)
+                   async_saves=True, async_save_snapshots=True)
     seen, kept = {}, {}
 
     def save(step):

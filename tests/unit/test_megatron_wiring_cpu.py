@@ -532,3 +532,11 @@ def test_async_save_and_fully_parallel_load_reach_the_config():
     args.async_save, args.ckpt_fully_parallel_load = True, True
     config = megatron_args.config_from_args(args)
     assert config.async_saves and not config.host_loads
+    assert config.async_save_snapshots  # (no --async-strategy: a megatron-core with only its own)
+    # Snapshots only with megatron-core's own strategy (its queue keeps a save's request until
+    # the write is finalized); nvidia-resiliency-ext's reads the views.
+    for strategy, snapshots in (("mcore", True), ("nvrx", False)):
+        args.async_strategy = strategy
+        assert megatron_args.config_from_args(args).async_save_snapshots == snapshots
+    args.async_save = False
+    assert not megatron_args.config_from_args(args).async_save_snapshots

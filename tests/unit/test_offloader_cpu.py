@@ -1221,6 +1221,54 @@ def test_a_model_only_load_refreshes_the_masters_on_the_host_and_brings_nothing_
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
 
 
+def test_a_host_write_after_an_asynchronous_save_leaves_the_pending_save_alone(monkeypatch):
+    """After an asynchronous save the state tensors point at its snapshots until the next forward,
+    while its writer may still read them. A host write in between (here the masters' refresh of a
+    model-only load) must write into the host copies, which are the state, not into the
+    snapshots: the pending save keeps what it read, and training goes on from the written values
+    bit-exactly."""
+    from megatron_offload import save_snapshot
+    from megatron_offload.megatron_wiring import _wrap_state_access
+
+    monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)  # (these tensors are small)
+    ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
+    held = []
+
+    def reload_model_params(state_dict=None):
+        for model, master in zip(opt.model_bf16, opt.shard_fp32_from_float16_groups[0]):
+            master.data.copy_(model)
+
+    def save(model_sharded_state_dict, is_loading=False):  # the pending request keeps detached tensors
+        held.extend(st.tensor.detach() for c in off.chunks for st in c.tensors)
+
+    opt.reload_model_params, opt.sharded_state_dict = reload_model_params, save
+    coord = make_coord(async_saves=True, async_save_snapshots=True)
+    off = coord.add_optimizer(opt)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    for step in range(2):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    opt.sharded_state_dict({})
+    assert held and all(t.is_shared() for t in held)  # the save read snapshots
+    saved = [t.clone() for t in held]
+    g = torch.Generator().manual_seed(7)
+    loaded = [torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in ref.model_bf16]
+    for o in (ref, opt):
+        for model, new in zip(o.model_bf16, loaded):
+            model.copy_(new)
+    for model, master in zip(ref.model_bf16, ref.shard_fp32_from_float16_groups[0]):
+        master.detach().copy_(model)
+    opt.reload_model_params()  # no forward since the save
+    assert all(torch.equal(a, b) for a, b in zip(saved, held))
+    for step in range(2, 5):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+
+
 def test_a_writer_that_replaces_state_tensors_on_the_host_is_refused():
     """host_writes_supported promises that the writer keeps the tensor objects; one that replaces
     them would leave the optimizer with tensors the offloader does not know, on the CPU."""
