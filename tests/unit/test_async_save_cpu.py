@@ -92,3 +92,75 @@ def test_an_async_save_copies_buffer_views_and_keeps_snapshots_as_they_are(tmp_p
     assert result["values"] == [1.0, 2.0, 3.0, 4.0], result
     assert sum(result["snapshot_kept"]) == 1, result
     assert not result["reused_while_held"] and result["snap_value"] == 4.0, result
+
+
+QUEUE_SCRIPT = textwrap.dedent(r"""
+    import inspect, json, socket, tempfile
+    import torch
+    import torch.distributed as dist
+
+    # megatron-core's async queue reads the CUDA device for its all-reduces and synchronizes
+    # after staging: on the CPU both go to the CPU (gloo).
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+    def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron_offload.save_snapshot import SaveSnapshots
+
+        snapshots = SaveSnapshots(check=lambda n: None)
+        (snap,) = snapshots.take([torch.full((1024,), 4.0)])
+        first = snap.data_ptr()
+        kwargs = {"async_sharded_save": True}
+        if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+            kwargs["async_strategy"] = "mcore"
+        directory = tempfile.mkdtemp()
+        request = dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", snap, replica_id=0)},
+                                          directory, **kwargs)
+        # The write itself (its worker threads need psutil) is not what is tested: a writer that
+        # does nothing, and no metadata to finalize.
+        request = request._replace(async_fn=noop, finalize_fns=[])
+        queue = AsyncCallsQueue(persistent=False)
+        queue.schedule_async_request(request)
+        del request, snap  # the caller keeps nothing: only megatron-core's queue may
+        pending = queue.get_num_unfinalized_calls()
+        (other,) = snapshots.take([torch.full((1024,), 5.0)])
+        reused_while_pending = other.data_ptr() == first
+        del other
+        queue.maybe_finalize_async_calls(blocking=True)
+        (again,) = snapshots.take([torch.full((1024,), 6.0)])
+        reused_after = again.data_ptr() == first
+        dist.destroy_process_group()
+        print(json.dumps({"pending": pending, "reused_while_pending": reused_while_pending,
+                          "reused_after": reused_after}))
+
+
+    def noop(*args, **kwargs):
+        pass
+
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_megatron_cores_queue_holds_a_snapshot_set_until_the_save_is_finalized(tmp_path):
+    """The snapshots' reuse rule rests on megatron-core's async queue (`AsyncCallsQueue`, the
+    trainer side of both its persistent and its per-save worker) keeping a save's request, hence
+    the tensors it writes, until the save is finalized. Run through the installed megatron-core
+    with nothing else holding the snapshot: the set is not reused while the save is pending, and
+    is reused once it is finalized."""
+    script = tmp_path / "queue_probe.py"
+    script.write_text(QUEUE_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"pending": 1, "reused_while_pending": False, "reused_after": True}, result
