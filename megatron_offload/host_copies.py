@@ -55,6 +55,12 @@ class HostCopies:
             self._point_at_snapshots(chunks)
         return len(chunks)
 
+    def prepare_snapshots(self) -> bool:
+        """Make the snapshot set that an asynchronous save of the whole state will take
+        (`_point_at_snapshots` after `send_out_now`: every chunk, in order), before any save."""
+        return self.snapshots.prepare([st.tensor for c in self.chunks for st in c.tensors
+                                       if self.snapshots.selects(st.tensor)])
+
     def _point_at_snapshots(self, chunks) -> None:
         """The large tensors of `chunks` (pointing at their host copies) point at shared-memory
         snapshots of them instead, where a set is free or can be made (else they stay views)."""

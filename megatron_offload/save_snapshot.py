@@ -137,6 +137,24 @@ class SaveSnapshots:
         """Host bytes held by all sets."""
         return sum(t.numel() * t.element_size() for s in self._sets for t in s.tensors)
 
+    def prepare(self, likes: List[torch.Tensor]) -> bool:
+        """Make a set for tensors shaped like `likes` now (start-up) rather than at the first save,
+        which would otherwise wait for its memory to be faulted in. Whether a set for them exists."""
+        if _STORAGE_USE_COUNT is None or not likes:
+            return False
+        if any(s.fits(likes) for s in self._sets):
+            return True
+        if len(self._sets) >= MAX_SETS:
+            return False
+        try:
+            self._check(sum(t.numel() * t.element_size() for t in likes))
+            self._check_fds(2 * len(likes))
+            self._sets.append(_Set(likes))
+        except (host_memory.HostMemoryError, RuntimeError) as err:
+            self._warn(str(err))
+            return False
+        return True
+
     def take(self, sources: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
         free set (made if none is free and fewer than MAX_SETS exist). None if no set is free and

@@ -181,6 +181,10 @@ class StateAccess:
         if self.bytes_in(ChunkState.OFFLOADED):
             self.phase = Phase.OFFLOADED
             self._trace("offloaded")
+        if self.config.async_save_snapshots:
+            # Why: the first asynchronous save would otherwise wait for the set's pages.
+            for off in self.offloaders:
+                off.prepare_snapshots()
 
     def release_startup_state(self) -> int:
         """Free whatever start-up left on the GPU and hand the cached memory back to the device,

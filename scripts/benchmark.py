@@ -183,6 +183,9 @@ def summarize(run, warmup):
         # kernel), against the pinned bytes of all ranks.
         "host_drop_gib": (run.get("host") or {}).get("drop", 0) / 2**30,
         "pinned_node_gib": sum(r.get("pinned_bytes", 0) for r in ranks) / 2**30,
+        # Checkpoint saves of rank 0 (--extra '--save DIR --save-interval N'; with --async-save the
+        # seconds are what the loop waited for): seconds, the plugin's share, GPU growth.
+        "saves": ranks[0].get("saves") or [],
     }
 
 
@@ -318,6 +321,11 @@ def report(results, ceilings):
               f"{r['max_reserved_gib'][0]:.2f} | {r['steady_max_reserved_gib'][0]:.2f} | {saved:.2f} | "
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
+    for name, r in results.items():
+        if r.get("saves"):
+            notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
+                f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s, GPU "
+                f"{(sv['max_allocated'] - sv['allocated_before']) / 2**20:+.0f} MiB)" for sv in r["saves"]))
     for name, r in results.items():
         soak, ref = r.get("soak"), reference(results, name)
         if soak:

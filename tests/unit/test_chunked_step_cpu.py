@@ -571,11 +571,15 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         opt.sharded_state_dict = lambda model_sd, is_loading=False, off=off: save(model_sd, is_loading, off)
         _wrap_state_access(coord, off, opt)
         coord.offload_existing_state()
+        assert (off.snapshots.nbytes > 0) == async_saves  # made at start-up, not at the first save
+        prepared = [t.data_ptr() for s in off.snapshots._sets for t in s.tensors]
         for step in range(3):
             make_grads(ref.all_params(), step)
             ref.step()
             (chunked_iteration if chunked else one_iteration)(opt, coord, step)
             opt.sharded_state_dict({})
+            if async_saves:  # the save read the prepared set
+                assert sorted(st.tensor.data_ptr() for c in off.chunks for st in c.tensors) == sorted(prepared)
             resident, on_host, saved, shared = seen[-1]
             assert_bitwise_equal(saved, snapshot(ref))
             assert shared == async_saves

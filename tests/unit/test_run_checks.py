@@ -175,3 +175,17 @@ def test_benchmark_losses_are_identical_only_over_the_whole_run(capsys):
     assert results["offload"]["losses_identical"] is False
     assert results["offload@again"]["losses_identical"] is False
     assert results["offload-chunk64"]["losses_identical"] is True
+
+
+def test_benchmark_reports_each_checkpoint_save(capsys):
+    from benchmark import report
+
+    def variant(saves):
+        return {"median_ms": 1.0, "max_reserved_gib": [1.0], "max_allocated_gib": [1.0], "steady_max_reserved_gib": [1.0],
+                "offloaded_gib": [0.5], "pinned_gib": [0.5], "losses": ["0x1p+0"], "saves": saves}
+
+    report({"baseline": variant([]), "offload": variant([
+        {"seconds": 0.21, "plugin_seconds": 0.05, "allocated_before": 10 * MiB, "max_allocated": 10 * MiB}])}, None)
+    out = capsys.readouterr().out
+    assert "offload: checkpoint saves blocked the loop 0.21 s (plugin 0.05 s, GPU +0 MiB)" in out
+    assert "baseline: checkpoint saves" not in out

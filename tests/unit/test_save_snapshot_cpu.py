@@ -100,3 +100,13 @@ def test_without_storage_reference_counts_no_set_is_made(monkeypatch):
 def test_only_large_tensors_get_snapshots():
     big = torch.empty(save_snapshot.MIN_SNAPSHOT_BYTES // 4, dtype=torch.float32)
     assert SaveSnapshots.selects(big) and not SaveSnapshots.selects(big[:-1])
+
+
+def test_a_prepared_set_is_the_one_the_first_save_takes():
+    snaps = SaveSnapshots(check=lambda n: None)
+    src = sources(0)
+    assert snaps.prepare([torch.empty(t.shape, dtype=t.dtype) for t in src])
+    made = [t.data_ptr() for s in snaps._sets for t in s.tensors]
+    got = snaps.take(src)
+    assert [t.data_ptr() for t in got] == made and all(torch.equal(g, s) for g, s in zip(got, src))
+    assert snaps.prepare(src) and len(snaps._sets) == 1  # (one per layout)
