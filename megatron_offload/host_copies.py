@@ -14,7 +14,7 @@ from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
 class HostCopies:
     """Readers and writers on the host copies of offloaded chunks (module docstring)."""
 
-    def expose_host_copies(self, for_async_writer: bool = False) -> int:
+    def expose_host_copies(self, for_async_writer: bool = False, repoint: bool = False) -> int:
         """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
         at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
         checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
@@ -29,12 +29,15 @@ class HostCopies:
         that no view covers); tests/unit/test_async_save_cpu.py checks it on megatron-core.
         `for_async_writer` spares the writer that copy (and its worker queue's second one): large
         tensors point at shared-memory snapshots of their host copies instead
-        (save_snapshot.SaveSnapshots), which it maps as they are."""
+        (save_snapshot.SaveSnapshots), which it maps as they are. `repoint` (a writer): chunks
+        exposed already point at their host copies again first (below)."""
         offloaded = self.chunks_in(ChunkState.OFFLOADED)
-        if not for_async_writer:
+        if repoint:
             # Chunks still exposed to an earlier asynchronous save may point at its snapshots,
-            # which its writer may still be reading: any other reader or writer (a load, the
-            # masters' refresh) works on the host copies themselves, which are the state.
+            # which its writer may still be reading: a writer (a load, the masters' refresh)
+            # writes into the host copies themselves, which are the state. (A reader leaves
+            # them: one nested in a save, e.g. `state_dict` inside `sharded_state_dict`, must
+            # not turn the save's snapshots back into views.)
             for chunk in offloaded:
                 if chunk.on_host:
                     self._point_at(chunk, chunk.host)

@@ -37,6 +37,8 @@ class Packing:
             each chunk's copy (start-up only). Otherwise all chunks end RESIDENT.
         """
         assert all(c.state is ChunkState.RESIDENT for c in self.chunks), self.chunks
+        # The snapshot sets of the old layout go before the new buffer is pinned (save_snapshot).
+        self.snapshots.drop_free()
         self.discovery = find_state_tensors(self.dist_opt, self.device)
         managed, self.kept = self._split_by_fraction(self.discovery.tensors)
         for st in self.kept:
@@ -138,6 +140,10 @@ class Packing:
         for buffer in retired:
             buffer.untyped_storage().resize_(0)
         self._signature = self.state_signature()
+        if self.snapshots.enabled:
+            # Why: the first asynchronous save of this layout would otherwise wait for the
+            # set's pages to be faulted in.
+            self.prepare_snapshots()
         if self.discovery.resident_other:
             logger.warning(
                 "megatron-offload: %s keeps unknown state tensors on the GPU: %s",

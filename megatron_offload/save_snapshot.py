@@ -89,6 +89,8 @@ def check_room(nbytes: int) -> None:
         raise host_memory.HostMemoryError(
             f"megatron-offload: an asynchronous save's snapshot needs {nbytes / 2**30:.2f} GiB of shared "
             f"memory, /dev/shm has {free / 2**30:.2f} GiB free")
+    if os.environ.get(host_memory.CHECK_ENV, "1") == "0":
+        return
     memory = host_memory.read()
     headroom = memory.headroom
     if headroom is not None and nbytes + host_memory.RESERVE_BYTES > headroom:
@@ -121,6 +123,7 @@ class SaveSnapshots:
 
     def __init__(self, check: Callable[[int], None] = check_room, threads: int = COPY_THREADS,
                  check_fds: Callable[[int], None] = check_descriptors):
+        self.enabled = False  # the owner prepares a set for each layout it packs (`prepare`)
         self._sets: List[_Set] = []
         self._check = check
         self._check_fds = check_fds
@@ -142,6 +145,7 @@ class SaveSnapshots:
         which would otherwise wait for its memory to be faulted in. Whether a set for them exists."""
         if _STORAGE_USE_COUNT is None or not likes:
             return False
+        self._sets = [s for s in self._sets if s.fits(likes) or s.in_use()]
         if any(s.fits(likes) for s in self._sets):
             return True
         if len(self._sets) >= MAX_SETS:
@@ -178,6 +182,12 @@ class SaveSnapshots:
                 self._warn(str(err))
                 return None
             self._sets.append(chosen)
+        else:
+            try:  # (a reused set's save duplicates its descriptors again)
+                self._check_fds(len(sources))
+            except host_memory.HostMemoryError as err:
+                self._warn(str(err))
+                return None
         self._copy(chosen.tensors, sources)
         return list(chosen.tensors)
 
@@ -199,6 +209,11 @@ class SaveSnapshots:
             logger.warning("megatron-offload: an asynchronous save reads the offloaded state from the pinned "
                            "buffer's views, which the checkpoint writer copies while training waits (%s)", why)
             self._warned = True
+
+    def drop_free(self) -> None:
+        """Drop the sets no pending save holds (the layout is about to change)."""
+        if _STORAGE_USE_COUNT is not None:
+            self._sets = [s for s in self._sets if s.in_use()]
 
     def close(self) -> None:
         """Drop every set (their shared memory goes once no pending save holds it)."""

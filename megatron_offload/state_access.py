@@ -65,7 +65,7 @@ class StateAccess:
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
             self._send_out_now(off)
-            off.expose_host_copies()
+            off.expose_host_copies(repoint=True)
             self._trace(f"host_write:{off.name}")
         else:
             kind = Access.GPU
@@ -181,10 +181,6 @@ class StateAccess:
         if self.bytes_in(ChunkState.OFFLOADED):
             self.phase = Phase.OFFLOADED
             self._trace("offloaded")
-        if self.config.async_save_snapshots:
-            # Why: the first asynchronous save would otherwise wait for the set's pages.
-            for off in self.offloaders:
-                off.prepare_snapshots()
 
     def release_startup_state(self) -> int:
         """Free whatever start-up left on the GPU and hand the cached memory back to the device,

@@ -325,7 +325,8 @@ def report(results, ceilings):
         if r.get("saves"):
             notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
                 f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s, GPU "
-                f"{(sv['max_allocated'] - sv['allocated_before']) / 2**20:+.0f} MiB)" for sv in r["saves"]))
+                f"{(sv['max_allocated'] - sv['allocated_before']) / 2**20:+.0f} MiB, snapshots "
+                f"{sv.get('snapshot_bytes', 0) / 2**30:.2f} GiB of host memory)" for sv in r["saves"]))
     for name, r in results.items():
         soak, ref = r.get("soak"), reference(results, name)
         if soak:

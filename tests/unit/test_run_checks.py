@@ -187,5 +187,5 @@ def test_benchmark_reports_each_checkpoint_save(capsys):
     report({"baseline": variant([]), "offload": variant([
         {"seconds": 0.21, "plugin_seconds": 0.05, "allocated_before": 10 * MiB, "max_allocated": 10 * MiB}])}, None)
     out = capsys.readouterr().out
-    assert "offload: checkpoint saves blocked the loop 0.21 s (plugin 0.05 s, GPU +0 MiB)" in out
+    assert "offload: checkpoint saves blocked the loop 0.21 s (plugin 0.05 s, GPU +0 MiB, snapshots 0.00 GiB" in out
     assert "baseline: checkpoint saves" not in out

@@ -110,3 +110,19 @@ def test_a_prepared_set_is_the_one_the_first_save_takes():
     got = snaps.take(src)
     assert [t.data_ptr() for t in got] == made and all(torch.equal(g, s) for g, s in zip(got, src))
     assert snaps.prepare(src) and len(snaps._sets) == 1  # (one per layout)
+
+
+def test_a_new_layout_drops_the_free_sets_of_the_old_one_and_keeps_held_ones():
+    snaps = SaveSnapshots(check=lambda n: None)
+    old = sources(0)
+    assert snaps.prepare(old)
+    held = snaps.take(old)[0].detach()  # a pending save of the old layout
+    snaps.take(old)  # (a second set of the old layout, free again at once)
+    assert len(snaps._sets) == 2
+    snaps.drop_free()
+    assert len(snaps._sets) == 1  # only the held one
+    new = sources(1, sizes=(5000,))
+    assert snaps.prepare(new) and len(snaps._sets) == 2 and snaps._sets[1].fits(new)
+    del held
+    snaps.drop_free()
+    assert len(snaps._sets) == 0
