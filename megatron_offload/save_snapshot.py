@@ -24,6 +24,7 @@ buffer's views, which the writer copies itself.
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import os
 import resource
@@ -166,7 +167,13 @@ class SaveSnapshots:
         if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
             self._warn("this torch does not expose storage reference counts")
             return None
-        chosen = next((s for s in self._sets if s.fits(sources) and not s.in_use()), None)
+        chosen = self._free_set(sources)
+        if chosen is None and any(s.fits(sources) for s in self._sets):
+            # Why: a finalized save's request can stay alive in a reference cycle of the save path
+            # until the garbage collector runs (megatron-core 0.19 with torch 2.8): one collection
+            # costs less than a new set's pages, or than the views' copies.
+            gc.collect()
+            chosen = self._free_set(sources)
         if chosen is None:
             # Sets of another layout (the state was re-packed) are dropped once free.
             self._sets = [s for s in self._sets if s.fits(sources) or s.in_use()]
@@ -190,6 +197,9 @@ class SaveSnapshots:
                 return None
         self._copy(chosen.tensors, sources)
         return list(chosen.tensors)
+
+    def _free_set(self, likes: List[torch.Tensor]) -> Optional[_Set]:
+        return next((s for s in self._sets if s.fits(likes) and not s.in_use()), None)
 
     def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
         pieces = []

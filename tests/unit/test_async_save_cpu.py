@@ -154,8 +154,10 @@ QUEUE_SCRIPT = textwrap.dedent(r"""
 def test_megatron_cores_queue_holds_a_snapshot_set_until_the_save_is_finalized(tmp_path):
     """The snapshots' reuse rule rests on megatron-core's async queue (`AsyncCallsQueue`, the
     trainer side of both its persistent and its per-save worker) keeping a save's request, hence
-    the tensors it writes, until the save is finalized. (Run with the per-save worker: the
-    persistent one needs a GPU; its queue-side bookkeeping is the same `async_calls`.) Run through the installed megatron-core
+    the tensors it writes, until the save is finalized (and, with torch 2.8, a reference cycle
+    of the save path until the garbage collector runs, which `take` then does). (Run with the
+    per-save worker: the persistent one needs a GPU; its queue-side bookkeeping is the same
+    `async_calls`.) Run through the installed megatron-core
     with nothing else holding the snapshot: the set is not reused while the save is pending, and
     is reused once it is finalized."""
     script = tmp_path / "queue_probe.py"

@@ -126,3 +126,27 @@ def test_a_new_layout_drops_the_free_sets_of_the_old_one_and_keeps_held_ones():
     del held
     snaps.drop_free()
     assert len(snaps._sets) == 0
+
+
+def test_a_set_held_only_by_a_dead_reference_cycle_is_reused():
+    """A finalized save's request can linger in a reference cycle until the garbage collector
+    runs (megatron-core's save path with torch 2.8): `take` collects before making a new set."""
+    import gc
+
+    class Request:
+        pass
+
+    snaps = SaveSnapshots(check=lambda n: None)
+    first = snaps.take(sources(0))
+    ptrs = [t.data_ptr() for t in first]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        request = Request()
+        request.cycle, request.tensors = request, [t.detach() for t in first]
+        del request, first
+        again = snaps.take(sources(1))
+    finally:
+        if enabled:
+            gc.enable()
+    assert [t.data_ptr() for t in again] == ptrs and len(snaps._sets) == 1
