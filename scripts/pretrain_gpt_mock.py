@@ -186,34 +186,34 @@ def distributed_optimizers(opt):
         yield opt
 
 
-def _offloaded_bytes_now():
-    """GPU bytes of megatron-offload's chunks that are off the GPU right now (0 without it)."""
+def _from_coordinator(read, default=0):
+    """`read(coordinator)` of this process's megatron-offload, or `default` without one."""
     try:
-        from megatron_offload import ChunkState, megatron_wiring
+        from megatron_offload import megatron_wiring
     except ImportError:
-        return 0
+        return default
     coord = megatron_wiring.coordinator
-    return coord.bytes_in(ChunkState.OFFLOADED) if coord is not None else 0
+    return read(coord) if coord is not None else default
+
+
+def _offloaded_bytes_now():
+    """GPU bytes of megatron-offload's chunks that are off the GPU right now."""
+    def read(coord):
+        from megatron_offload import ChunkState
+
+        return coord.bytes_in(ChunkState.OFFLOADED)
+
+    return _from_coordinator(read)
 
 
 def _snapshot_bytes():
-    """Host bytes of megatron-offload's shared-memory snapshots for asynchronous saves (0 without it)."""
-    try:
-        from megatron_offload import megatron_wiring
-    except ImportError:
-        return 0
-    coord = megatron_wiring.coordinator
-    return coord.snapshot_bytes if coord is not None else 0
+    """Host bytes of megatron-offload's shared-memory snapshots for asynchronous saves."""
+    return _from_coordinator(lambda coord: coord.snapshot_bytes)
 
 
 def _host_read_seconds():
-    """megatron-offload's host time preparing host reads so far (0 without it)."""
-    try:
-        from megatron_offload import megatron_wiring
-    except ImportError:
-        return 0.0
-    coord = megatron_wiring.coordinator
-    return coord.host_read_seconds if coord is not None else 0.0
+    """megatron-offload's host time preparing host reads so far."""
+    return _from_coordinator(lambda coord: coord.host_read_seconds, 0.0)
 
 
 def write_gpu_timeline(profiler, path):

@@ -80,13 +80,18 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-def test_an_async_save_copies_buffer_views_and_keeps_snapshots_as_they_are(tmp_path):
+def run_probe(tmp_path, text):
+    """Run a probe script in its own process (the saves start helper processes); its last line."""
     script = tmp_path / "probe.py"
-    script.write_text(SCRIPT)
+    script.write_text(text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_an_async_save_copies_buffer_views_and_keeps_snapshots_as_they_are(tmp_path):
+    result = run_probe(tmp_path, SCRIPT)
     assert result["kept"] == 4, result
     assert not any(result["shares"]), result
     assert result["values"] == [1.0, 2.0, 3.0, 4.0], result
@@ -160,10 +165,5 @@ def test_megatron_cores_queue_holds_a_snapshot_set_until_the_save_is_finalized(t
     `async_calls`.) Run through the installed megatron-core
     with nothing else holding the snapshot: the set is not reused while the save is pending, and
     is reused once it is finalized."""
-    script = tmp_path / "queue_probe.py"
-    script.write_text(QUEUE_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = run_probe(tmp_path, QUEUE_SCRIPT)
     assert result == {"pending": 1, "reused_while_pending": False, "reused_after": True}, result

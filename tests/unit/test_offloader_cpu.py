@@ -1177,6 +1177,27 @@ def test_a_checkpoint_load_writes_into_the_host_copies_and_brings_nothing_back(w
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
 
 
+def fake_reload_model_params(opt):
+    """DistributedOptimizer.reload_model_params on a fake: the model's params copied into the
+    masters in place (`_copy_model_params_to_main_params`)."""
+    def reload_model_params(state_dict=None):
+        for model, master in zip(opt.model_bf16, opt.shard_fp32_from_float16_groups[0]):
+            master.data.copy_(model)
+
+    opt.reload_model_params = reload_model_params
+
+
+def load_new_model(ref, opt):
+    """A model-only checkpoint: new model params for both; `ref`'s masters set from them directly."""
+    g = torch.Generator().manual_seed(7)
+    loaded = [torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in ref.model_bf16]
+    for o in (ref, opt):
+        for model, new in zip(o.model_bf16, loaded):
+            model.copy_(new)
+    for model, master in zip(ref.model_bf16, ref.shard_fp32_from_float16_groups[0]):
+        master.detach().copy_(model)
+
+
 @pytest.mark.parametrize("when", ["at_start_up", "after_two_steps"])
 def test_a_model_only_load_refreshes_the_masters_on_the_host_and_brings_nothing_back(when):
     """`reload_model_params` (a model-only load: --no-load-optim, --finetune) copies the model's
@@ -1187,12 +1208,7 @@ def test_a_model_only_load_refreshes_the_masters_on_the_host_and_brings_nothing_
     from megatron_offload.megatron_wiring import _wrap_state_access
 
     ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
-
-    def reload_model_params(state_dict=None):
-        for model, master in zip(opt.model_bf16, opt.shard_fp32_from_float16_groups[0]):
-            master.data.copy_(model)
-
-    opt.reload_model_params = reload_model_params
+    fake_reload_model_params(opt)
     coord = make_coord()
     off = coord.add_optimizer(opt)
     _wrap_state_access(coord, off, opt)
@@ -1202,13 +1218,7 @@ def test_a_model_only_load_refreshes_the_masters_on_the_host_and_brings_nothing_
         make_grads(ref.all_params(), step)
         ref.step()
         one_iteration(opt, coord, step)
-    g = torch.Generator().manual_seed(7)
-    loaded = [torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in ref.model_bf16]
-    for o in (ref, opt):
-        for model, new in zip(o.model_bf16, loaded):
-            model.copy_(new)
-    for model, master in zip(ref.model_bf16, ref.shard_fp32_from_float16_groups[0]):
-        master.detach().copy_(model)
+    load_new_model(ref, opt)
     h2d = coord.streams.stats.cumulative_h2d_bytes
     opt.reload_model_params()
     assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
@@ -1234,14 +1244,11 @@ def test_a_host_write_after_an_asynchronous_save_leaves_the_pending_save_alone(m
     ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
     held = []
 
-    def reload_model_params(state_dict=None):
-        for model, master in zip(opt.model_bf16, opt.shard_fp32_from_float16_groups[0]):
-            master.data.copy_(model)
-
     def save(model_sharded_state_dict, is_loading=False):  # the pending request keeps detached tensors
         held.extend(st.tensor.detach() for c in off.chunks for st in c.tensors)
 
-    opt.reload_model_params, opt.sharded_state_dict = reload_model_params, save
+    fake_reload_model_params(opt)
+    opt.sharded_state_dict = save
     coord = make_coord(async_saves=True, async_save_snapshots=True)
     off = coord.add_optimizer(opt)
     _wrap_state_access(coord, off, opt)
@@ -1253,13 +1260,7 @@ def test_a_host_write_after_an_asynchronous_save_leaves_the_pending_save_alone(m
     opt.sharded_state_dict({})
     assert held and all(t.is_shared() for t in held)  # the save read snapshots
     saved = [t.clone() for t in held]
-    g = torch.Generator().manual_seed(7)
-    loaded = [torch.randn(m.shape, generator=g).to(torch.bfloat16) for m in ref.model_bf16]
-    for o in (ref, opt):
-        for model, new in zip(o.model_bf16, loaded):
-            model.copy_(new)
-    for model, master in zip(ref.model_bf16, ref.shard_fp32_from_float16_groups[0]):
-        master.detach().copy_(model)
+    load_new_model(ref, opt)
     opt.reload_model_params()  # no forward since the save
     assert all(torch.equal(a, b) for a, b in zip(saved, held))
     for step in range(2, 5):
