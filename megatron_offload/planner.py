@@ -24,6 +24,12 @@ directions at once, so the step lasts at least its compute time and at least the
 the rest in at that shared rate; the last B bytes stepped stay resident and their copy-out opens
 the next iteration (the others left during the step).
 
+With the streamed step (`predict(..., streamed=True)`, issue 24's schedule) the step begins on the
+chunks already back while the rest stream in (as the chunked step, with the whole state as its
+budget), and each stepped chunk streams out at once, during the rest of the step, both directions
+sharing `both_gbps`: what left during one step is already off the GPU when the next iteration
+starts (steady state: the iteration is simulated again from what the first pass sent out).
+
 The predicted iteration time is the simulated length of that timeline: the least time any
 schedule can achieve under these rules (a real schedule adds its own overheads on top).
 """
@@ -79,6 +85,7 @@ class Prediction:
     stall_out_ms: float  # compute waiting for memory during the forwards
     stall_in_ms: float  # step waiting for the reload
     feasible: bool  # False: X exceeds what an unchunked step allows (or the chunked budget fits)
+    sent_in_step: float = 0.0  # bytes already copied out when the step ends (streamed step)
 
     @property
     def ratio(self) -> float:
@@ -86,19 +93,32 @@ class Prediction:
 
 
 def predict(profile: Profile, offloaded_bytes: float, dt_ms: float = 0.05,
-            step_budget: Optional[float] = None, piece_growth: float = 0.0) -> Prediction:
+            step_budget: Optional[float] = None, piece_growth: float = 0.0, streamed: bool = False) -> Prediction:
     """Simulate one iteration with `offloaded_bytes` taken off the peak (see module doc).
-    `step_budget`: the chunked step's bound on resident state (None: unchunked step);
-    `piece_growth`: one piece's Adam temporaries (chunked step only)."""
+    `step_budget`: the chunked step's bound on resident state (None: unchunked step, or with
+    `streamed` the whole state); `piece_growth`: one piece's Adam temporaries (chunked and
+    streamed steps); `streamed`: stepped chunks leave during the step (steady state: two passes)."""
+    if not streamed:
+        return _simulate(profile, offloaded_bytes, dt_ms, step_budget, piece_growth)
+    budget = offloaded_bytes if step_budget is None else step_budget
+    first = _simulate(profile, offloaded_bytes, dt_ms, budget, piece_growth, sent_before=0.0)
+    return _simulate(profile, offloaded_bytes, dt_ms, budget, piece_growth, sent_before=first.sent_in_step)
+
+
+def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budget: Optional[float],
+              piece_growth: float, sent_before: Optional[float] = None) -> Prediction:
+    """One iteration (module doc). `sent_before`: the streamed step's bytes that left during the
+    previous step (None: not streamed)."""
     x = float(offloaded_bytes)
     limit = profile.peak_growth - x  # allowed growth + (state resident - state base) above base
     mb_ms = 1e9 / 1e3  # bytes per millisecond per GB/s
     last_forward = max((i for i, s in enumerate(profile.segments) if s.kind == "forward"), default=-1)
     chunked = step_budget is not None
     held = min(x, step_budget) if chunked else x  # most state bytes back before the step
-    # Chunked: only the bytes stepped last are still on the GPU when the iteration starts.
-    copied = freed = (x - held) if chunked else 0.0
-    reloaded = 0.0
+    # Chunked: only the bytes stepped last are still on the GPU when the iteration starts;
+    # streamed: also what left during the step.
+    copied = freed = max(x - held, sent_before or 0.0) if chunked else 0.0
+    reloaded = sent = 0.0
     t = stall_out = stall_in = 0.0
     for index, seg in enumerate(profile.segments):
         done = 0.0  # compute milliseconds of this segment completed
@@ -111,6 +131,8 @@ def predict(profile: Profile, offloaded_bytes: float, dt_ms: float = 0.05,
             t += seg.ms + extra
             stall_in += extra
             reloaded = x
+            # (streamed: the pieces stepped go out behind the ones coming in)
+            sent = min(x, shared * mb_ms * (seg.ms + extra))
             continue
         if seg.kind == "step" and reloaded < x:
             # The Adam kernel needs the whole state back before it starts.
@@ -151,7 +173,8 @@ def predict(profile: Profile, offloaded_bytes: float, dt_ms: float = 0.05,
         feasible = held + piece_growth - x <= limit + 1e-6
     else:
         feasible = x <= profile.max_unchunked_bytes + 1e-6
-    return Prediction(x, t, profile.iteration_ms, stall_out, stall_in, feasible)
+    return Prediction(x, t, profile.iteration_ms, stall_out, stall_in, feasible,
+                      sent if sent_before is not None else 0.0)
 
 
 def free_bytes(profile: Profile, tolerance: float = 0.005) -> float:

@@ -262,6 +262,11 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
               f"iteration{'s' if marked > 1 else ''}) "
               f"({pred.iteration_ms:.0f} / {prof.iteration_ms:.0f} ms; {gbps:.1f} GB/s per direction, both "
               f"{both_gbps or 2 * gbps:.1f}){also}; measured {r['ratio']:.3f}x")
+        # Issue 24's streamed step (the stepped chunks leave during the step): the floor to beat.
+        streamed = planner.predict(prof, state, streamed=True)
+        rows[name]["predicted_ratio_streamed"] = streamed.ratio
+        print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
+              f"out during the step)")
         if name.startswith("offload-auto") or name.startswith("offload-frac"):
             # Issue 3's automatic mode: bytes off the peak against what the planner calls free
             # (the whole state of the baseline, at <= 0.5 % predicted cost).

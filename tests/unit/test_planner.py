@@ -150,3 +150,29 @@ def test_planner_cli_answers_bad_profiles_in_one_line(tmp_path, content, capsys)
     text = capsys.readouterr().err
     want = "cannot read --profile" if content is None else "is not a profile"
     assert "megatron-offload-plan: error: " in text and want in text and "Traceback" not in text, text
+
+
+def test_the_streamed_step_sends_out_during_the_step_and_lowers_the_floor():
+    """Issue 24's schedule: stepped chunks leave during the step, so the next iteration starts
+    with that much already off the GPU; the step starts on the chunks already back."""
+    r1 = PRESETS["r1"]
+    x = r1.state_bytes
+    unchunked, chunked = predict(r1, min(x, r1.max_unchunked_bytes)), predict(r1, x, step_budget=x)
+    streamed = predict(r1, x, streamed=True)
+    assert streamed.feasible and 0 < streamed.sent_in_step <= x
+    assert streamed.iteration_ms < chunked.iteration_ms <= unchunked.iteration_ms
+    assert streamed.stall_out_ms < chunked.stall_out_ms  # (what left during the step)
+    assert predict(r1, 0, streamed=True).ratio == pytest.approx(1.0)
+    assert predict(r1, x).sent_in_step == 0  # (not streamed)
+
+
+def test_the_streamed_step_sends_what_the_shared_link_carries_in_the_step():
+    # A 5 ms step at 1 GiB/ms each way (both 2 GiB/ms): 5 of 8 GiB leave during it; the rest
+    # leaves in the next forward, which needs room only after 6 ms of its 10.
+    gbps = GiB / 1e6
+    prof = Profile([Segment("forward", 10, 0, 10 * GiB), Segment("backward", 10, 10 * GiB, 0),
+                    Segment("step", 5, 0, 0)], 8 * GiB, gbps, gbps, 2 * gbps)
+    p = predict(prof, 8 * GiB, dt_ms=0.01, streamed=True)
+    assert p.sent_in_step == pytest.approx(5 * GiB, rel=1e-6)
+    assert p.stall_out_ms == pytest.approx(0, abs=0.05)
+    assert predict(prof, 8 * GiB, dt_ms=0.01).iteration_ms >= p.iteration_ms  # (unchunked)
