@@ -53,6 +53,10 @@ FD_MARGIN = 512
 _STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _bytes(tensors: List[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _use_count(tensor: torch.Tensor) -> int:
     """References to `tensor`'s storage, this call's own storage object included."""
     return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata))
@@ -139,7 +143,7 @@ class SaveSnapshots:
     @property
     def nbytes(self) -> int:
         """Host bytes held by all sets."""
-        return sum(t.numel() * t.element_size() for s in self._sets for t in s.tensors)
+        return sum(_bytes(s.tensors) for s in self._sets)
 
     def prepare(self, likes: List[torch.Tensor]) -> bool:
         """Make a set for tensors shaped like `likes` now (start-up) rather than at the first save,
@@ -151,14 +155,7 @@ class SaveSnapshots:
             return True
         if len(self._sets) >= MAX_SETS:
             return False
-        try:
-            self._check(sum(t.numel() * t.element_size() for t in likes))
-            self._check_fds(2 * len(likes))
-            self._sets.append(_Set(likes))
-        except (host_memory.HostMemoryError, RuntimeError) as err:
-            self._warn(str(err))
-            return False
-        return True
+        return self._new_set(likes) is not None
 
     def take(self, sources: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
@@ -180,15 +177,9 @@ class SaveSnapshots:
             if len(self._sets) >= MAX_SETS:
                 self._warn("every snapshot set is still held by an earlier save")
                 return None
-            nbytes = sum(t.numel() * t.element_size() for t in sources)
-            try:
-                self._check(nbytes)
-                self._check_fds(2 * len(sources))
-                chosen = _Set(sources)
-            except (host_memory.HostMemoryError, RuntimeError) as err:
-                self._warn(str(err))
+            chosen = self._new_set(sources)
+            if chosen is None:
                 return None
-            self._sets.append(chosen)
         else:
             try:  # (a reused set's save duplicates its descriptors again)
                 self._check_fds(len(sources))
@@ -197,6 +188,18 @@ class SaveSnapshots:
                 return None
         self._copy(chosen.tensors, sources)
         return list(chosen.tensors)
+
+    def _new_set(self, likes: List[torch.Tensor]) -> Optional[_Set]:
+        """A new set for `likes`, kept, if the machine has room for it (else None, warned)."""
+        try:
+            self._check(_bytes(likes))
+            self._check_fds(2 * len(likes))
+            made = _Set(likes)
+        except (host_memory.HostMemoryError, RuntimeError) as err:
+            self._warn(str(err))
+            return None
+        self._sets.append(made)
+        return made
 
     def _free_set(self, likes: List[torch.Tensor]) -> Optional[_Set]:
         return next((s for s in self._sets if s.fits(likes) and not s.in_use()), None)

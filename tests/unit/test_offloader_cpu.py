@@ -1074,6 +1074,14 @@ def test_the_forwards_frees_make_the_host_wait_for_the_copy_out(host_waits):
     assert len(waited) == (chunks if host_waits else 0), (len(waited), chunks)
 
 
+def train_in_lockstep(ref, opt, coord, steps):
+    """The same steps on the reference (plain optimizer) and on the offloaded one."""
+    for step in steps:
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+
+
 def fake_checkpoint_api(opt):
     """DistributedOptimizer's checkpoint methods as a torch_dist load uses them, on a fake:
     `sharded_state_dict(is_loading=True)` runs `load_state_dict(state_dict())` nested (as 0.19's
@@ -1138,10 +1146,7 @@ def test_a_checkpoint_load_writes_into_the_host_copies_and_brings_nothing_back(w
     fake_checkpoint_api(opt)
     _wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
-    for step in range(2):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
+    train_in_lockstep(ref, opt, coord, range(2))
     assert off.host_writes_supported()
     if when == "mid_iteration":
         coord.forward_begin(True)
@@ -1170,10 +1175,7 @@ def test_a_checkpoint_load_writes_into_the_host_copies_and_brings_nothing_back(w
         one_iteration(opt, coord, 2)
     make_grads(ref.all_params(), 2)
     ref.step()
-    for step in range(3, 5):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
+    train_in_lockstep(ref, opt, coord, range(3, 5))
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
 
 
@@ -1214,20 +1216,14 @@ def test_a_model_only_load_refreshes_the_masters_on_the_host_and_brings_nothing_
     _wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     steps = 2 if when == "after_two_steps" else 0
-    for step in range(steps):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
+    train_in_lockstep(ref, opt, coord, range(steps))
     load_new_model(ref, opt)
     h2d = coord.streams.stats.cumulative_h2d_bytes
     opt.reload_model_params()
     assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
     assert all(storage_bytes(c.buffer) == 0 and c.on_host and c.host_valid for c in off.chunks)
     assert "host_write:optimizer" in coord.events
-    for step in range(steps, steps + 3):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
+    train_in_lockstep(ref, opt, coord, range(steps, steps + 3))
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
 
 
@@ -1253,20 +1249,14 @@ def test_a_host_write_after_an_asynchronous_save_leaves_the_pending_save_alone(m
     off = coord.add_optimizer(opt)
     _wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
-    for step in range(2):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
+    train_in_lockstep(ref, opt, coord, range(2))
     opt.sharded_state_dict({})
     assert held and all(t.is_shared() for t in held)  # the save read snapshots
     saved = [t.clone() for t in held]
     load_new_model(ref, opt)
     opt.reload_model_params()  # no forward since the save
     assert all(torch.equal(a, b) for a, b in zip(saved, held))
-    for step in range(2, 5):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
+    train_in_lockstep(ref, opt, coord, range(2, 5))
     assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
 
 
