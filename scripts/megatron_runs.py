@@ -225,6 +225,24 @@ def save_growth_check(plain_rank, offload_rank):
     return ok, detail
 
 
+def save_growth_checks(plain_ranks, offload_ranks):
+    """[(what, ok, detail)]: `save_growth_check` on every rank that had state off the GPU when its
+    saves began, and one check that at least one rank had. A rank whose whole state is one chunk
+    (a DP shard inside one parameter) holds it through the chunked step, so its saves begin while
+    that chunk is still being copied out: there the save has nothing to bring back and the check
+    would say nothing."""
+    checks, skipped = [], []
+    for r, (plain, ours) in enumerate(zip(plain_ranks, offload_ranks)):
+        if offloaded_at_save(ours) > 0:
+            checks.append((f"rank {r} checkpoint save reads what is off the GPU from the host",
+                           *save_growth_check(plain, ours)))
+        else:
+            skipped.append(r)
+    checks.append(("some rank saved with state off the GPU", len(skipped) < len(offload_ranks),
+                   f"(ranks with nothing off at a save: {skipped})" if skipped else ""))
+    return checks
+
+
 def reserved_saving_check(plain_rank, offload_rank, first, share=0.5):
     """(ok, detail): peak reserved memory over iterations[first:] lower by at least `share` of the
     offloaded bytes. A plain `<` passed on differences (0.02-0.05 GiB) far inside the spread of

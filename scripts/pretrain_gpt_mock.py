@@ -28,6 +28,7 @@ and of 512 * (100 + 2 * microbatch + b) bytes each microbatch's forward (b=0) an
 Analyse it with scripts/alloc_trace.py.
 """
 
+import contextlib
 import hashlib
 import dataclasses
 import gc
@@ -559,26 +560,25 @@ class Recorder:
             coord = megatron_wiring.coordinator
         except ImportError:
             coord = None
-        if coord is not None:  # bring offloaded state back before reading it
-            for off in coord.offloaders:
-                coord.before_state_access(off, will_modify=False)
+        # Bring offloaded state back before reading it (accesses nest: the context closes them
+        # last-opened first, which a chain of two DistributedOptimizers needs).
+        access = (coord.state_access(coord.offloaders, will_modify=False) if coord is not None
+                  else contextlib.nullcontext())
         params, state = hashlib.sha256(), hashlib.sha256()
-        for chunk in self.model:
-            for name, p in chunk.named_parameters():
-                params.update(name.encode())
-                params.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        with access:
+            for chunk in self.model:
+                for name, p in chunk.named_parameters():
+                    params.update(name.encode())
+                    params.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
 
-        for dist_opt in distributed_optimizers(self.optimizer):
-            inner = dist_opt.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    tensors = [p] + [v for k, v in sorted(inner.state.get(p, {}).items())
-                                     if isinstance(v, torch.Tensor)]
-                    for t in tensors:
-                        state.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
-        if coord is not None:
-            for off in coord.offloaders:
-                coord.after_state_access(off, modified=False)
+            for dist_opt in distributed_optimizers(self.optimizer):
+                inner = dist_opt.optimizer
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        tensors = [p] + [v for k, v in sorted(inner.state.get(p, {}).items())
+                                         if isinstance(v, torch.Tensor)]
+                        for t in tensors:
+                            state.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
         return params.hexdigest(), state.hexdigest()
 
     def adam_state_bytes(self):
