@@ -53,7 +53,10 @@ def main() -> None:
     if os.environ.get("MEGATRON_OFFLOAD_RECORD"):
         from pretrain_gpt_mock import Recorder
 
-        Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"]).install()
+        recorder = Recorder(os.environ["MEGATRON_OFFLOAD_RECORD"])
+        recorder.install()
+        if os.environ.get("MEGATRON_OFFLOAD_MEMHIST"):  # the allocator history, as the mock records it
+            recorder.start_memhist()
         os.environ["MEGATRON_OFFLOAD_RECORDER_INSTALLED"] = "1"  # (the mock then skips its own)
     if os.environ.get("MEGATRON_OFFLOAD_KILL_AT"):
         _install_kill(int(os.environ["MEGATRON_OFFLOAD_KILL_AT"]))
