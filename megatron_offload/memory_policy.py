@@ -7,7 +7,8 @@ iteration's first forward starts (state still resident) and g(t) the activation 
 (measured allocated bytes plus the state bytes freed so far). The goal is that allocated never
 exceeds A0 - S + P, P being the iteration's peak growth; with r(t) state bytes still resident
 that means r(t) + g(t) <= P. At each layer's forward pre-hook we free chunks until
-r <= P - g(next hook) - margin, g being the growth profile measured on earlier iterations.
+r <= P - g(next hook) - margin, g being the growth profile measured on earlier iterations; after
+the last hook (output layer and loss, unsampled until the forward's end) the budget is 0.
 Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook.
 Reloads in the last backward(s) follow the same rule in reverse: a chunk comes back when
 allocated + its bytes stays below the highest allocated level seen at the end of a forward in
@@ -61,10 +62,12 @@ class MemoryPolicy:
         if self.peak_growth is None:
             budget = 0
         else:
-            if h + 1 < len(self.profile):
-                upcoming = self.profile[h + 1]
-            else:
-                upcoming = self.profile_end if self.profile_end is not None else self.peak_growth
+            # After the last hook nothing is sampled until the forward's end, and what runs there
+            # (output layer, loss) may allocate temporaries above the end's level and free them
+            # before it: the growth at the end (`profile_end`) would leave chunks resident through
+            # that transient, which is then the iteration's peak. So the last interval counts as
+            # reaching P: everything still copying out is freed at the last hook.
+            upcoming = self.profile[h + 1] if h + 1 < len(self.profile) else self.peak_growth
             budget = max(0, self.peak_growth - upcoming - self.config.margin_bytes)
         self._free_until(budget, position=h)
 
