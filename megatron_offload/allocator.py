@@ -38,6 +38,13 @@ class CacheRelease:
             self._free_block_sizes = lambda: []
         elif self._free_block_sizes is None and self.device.type == "cuda" and probes.allocated is None:
             self._free_block_sizes = _free_block_reader(self.device, self.streams.compute)
+        # Reserved minus allocated bytes, read from the allocator's counters (microseconds): an
+        # upper bound of what all free blocks together hold, to skip the snapshot when nothing
+        # can fit (`_fitting`). None: no such bound (tests that inject their own readers).
+        self._free_mapped = probes.free_mapped
+        if self._free_mapped is None and self.device.type == "cuda" and probes.allocated is None:
+            reserved, allocated = _allocator_stat(self.device, "current", "reserved_bytes"), self._allocated
+            self._free_mapped = lambda: reserved() - allocated()
         self.cache_releases = 0
         self.cache_release_ms = 0.0
 
@@ -100,9 +107,10 @@ def _free_block_reader(device: torch.device, stream) -> Optional[Callable[[], Li
     return sizes
 
 
-def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:
+def _allocator_stat(device: torch.device, which: str, stat: str = "allocated_bytes") -> Callable[[], int]:
     """Reader of the caching allocator's allocated bytes ("current", "peak", or "allocated": the
-    cumulative bytes ever allocated).
+    cumulative bytes ever allocated), or of another of its byte statistics (`stat`, e.g.
+    "reserved_bytes").
 
     `torch.cuda.memory_allocated()` flattens and sorts the allocator's ~100 statistics on every
     call (see [Note: allocator query cost] in docs/design.md); the hooks read one number up to
@@ -114,10 +122,12 @@ def _allocator_stat(device: torch.device, which: str) -> Callable[[], int]:
     raw = getattr(torch._C, "_cuda_memoryStats", None)
     if raw is not None:
         try:
-            raw(index)["allocated_bytes"]["all"][which]
-            return lambda: raw(index)["allocated_bytes"]["all"][which]
+            raw(index)[stat]["all"][which]
+            return lambda: raw(index)[stat]["all"][which]
         except (KeyError, TypeError, RuntimeError):
             pass
+    if stat != "allocated_bytes":
+        return lambda: torch.cuda.memory_stats(index)[f"{stat}.all.{which}"]
     if which == "allocated":
         return lambda: torch.cuda.memory_stats(index)["allocated_bytes.all.allocated"]
     public = torch.cuda.memory_allocated if which == "current" else torch.cuda.max_memory_allocated

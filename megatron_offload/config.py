@@ -64,5 +64,6 @@ class AllocatorProbes:
     max_allocated: Optional[Callable[[], int]] = None  # high-water mark of allocated bytes
     allocated_total: Optional[Callable[[], int]] = None  # bytes ever allocated (cumulative)
     free_block_sizes: Optional[Callable[[], List[int]]] = None  # the allocator's free blocks
+    free_mapped: Optional[Callable[[], int]] = None  # reserved minus allocated bytes (cheap)
     memory_room: Optional[Callable[[], float]] = None  # bytes a larger resident share could use
     empty_cache: Optional[Callable[[], None]] = None  # hand cached free memory back

@@ -43,6 +43,7 @@ class MemoryPolicy:
         self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
         self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
         self.fit_checks = 0  # calls of _free_block_sizes, and their host time
+        self.fit_skips = 0  # fit checks answered by the counters alone (nothing could fit)
         self.fit_check_ms = 0.0
         self.reloads_deferred_for_fit = 0
 
@@ -173,6 +174,16 @@ class MemoryPolicy:
         least WORKSPACE_MIN_BLOCK (or a chunk slot) must still hold what one layer's backward
         allocated (`backward_workspace`, measured in the iteration's first backward).
         """
+        if not chosen:
+            return chosen
+        # The snapshot walks every block of the allocator (milliseconds where the state kept by
+        # the fraction is hundreds of tensors); the counters say in microseconds when even all
+        # free bytes together could not take the first chunk and leave the workspace.
+        first = (chosen[0][1].gpu_nbytes + 511) // 512 * 512
+        if self._free_mapped is not None and self._free_mapped() < first + self.backward_workspace:
+            self.fit_skips += 1
+            self.reloads_deferred_for_fit += len(chosen)
+            return []
         start = time.perf_counter()
         blocks = sorted(self._free_block_sizes())
         smallest_useful = min(WORKSPACE_MIN_BLOCK, self._slot())

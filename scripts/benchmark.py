@@ -170,6 +170,7 @@ def summarize(run, warmup):
         "transfer": ranks[0].get("transfer"),
         "fit_checks": [r.get("fit_checks") for r in ranks],
         "fit_check_ms": [r.get("fit_check_ms") for r in ranks],
+        "fit_skips": [r.get("fit_skips") for r in ranks],
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
         "backward_workspace_mib": [(r.get("backward_workspace") or 0) / 2**20 for r in ranks],
         "cache_releases": [r.get("cache_releases") for r in ranks],
@@ -309,7 +310,8 @@ def report(results, ceilings):
                   f"ceiling), H2D {t['h2d_gbps']:.1f} GB/s ({t['h2d_gbps'] / ceilings['h2d_gbps']:.0%}); exposed "
                   f"waits per iteration: before free {t['exposed_d2h_ms'] / max(1, t['iterations']):.1f} ms, "
                   f"before step {t['exposed_h2d_ms'] / max(1, t['iterations']):.1f} ms; free-block checks "
-                  f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all), reloads deferred "
+                  f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all; "
+                  f"{(r.get('fit_skips') or [None])[0]} answered by the counters), reloads deferred "
                   f"for fit {r['reloads_deferred_for_fit'][0]} (backward workspace "
                   f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB); cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "

@@ -622,6 +622,7 @@ class Recorder:
                     "lifecycle_tail": coord.events[-12:],
                     "fit_checks": coord.fit_checks,
                     "fit_check_ms": coord.fit_check_ms,
+                    "fit_skips": coord.fit_skips,  # answered by the allocator counters alone
                     "reloads_deferred_for_fit": coord.reloads_deferred_for_fit,
                     "backward_workspace": coord.backward_workspace,
                     "cache_releases": coord.cache_releases,

@@ -1737,3 +1737,32 @@ def test_a_device_without_index_matches_its_tensors():
     assert same_device(cuda0, cuda) and same_device(cuda1, cuda)
     assert same_device(cuda0, cuda0) and not same_device(cuda1, cuda0)
     assert not same_device(CPU, cuda) and same_device(CPU, CPU)
+
+
+def test_fit_check_skips_the_allocator_snapshot_when_the_counters_rule_out_any_fit():
+    """The snapshot (`free_block_sizes`) walks every block of the allocator; where reserved minus
+    allocated cannot hold the first chunk plus the backward workspace, no block can, and the
+    answer must be the one the snapshot would give, without taking it."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    results = {}
+    for mapped in (None, 0, 10**12):
+        opt = FakeDistOpt()
+        mem = SimulatedMemory(opt)
+        snapshots = [0]
+
+        def blocks():
+            snapshots[0] += 1
+            return [10**9]
+
+        probes = {} if mapped is None else {"free_mapped": lambda: mapped}
+        coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                           free_block_sizes=blocks, **probes)
+        coord.add_optimizer(opt)
+        for step in range(3):
+            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+        results[mapped] = (snapshots[0], coord.fit_skips, coord.reloads_deferred_for_fit, snapshot(opt))
+    (snaps_plain, skips_plain, _, state_plain), (snaps, skips, deferred, state) = results[None], results[0]
+    assert snaps_plain > 0 and skips_plain == 0  # the snapshot answered, and reloads fitted
+    assert snaps == 0 and skips > 0 and deferred >= skips  # nothing fits: no snapshot taken
+    assert_bitwise_equal(state_plain, state)  # the reloads at finalize still bring everything back
+    assert results[10**12][:3] == results[None][:3]  # room by the counters: the snapshot decides, as before
