@@ -10,6 +10,7 @@
 #   6. optionally `probe`: does a side-stream copy slow compute down, per CUDA_DEVICE_MAX_CONNECTIONS,
 #   7. optionally `hostprobe` (benchmarks/tools/host_memory_probe.py: pinned memory and forked children),
 #   8. optionally `sweep` (scripts/sweep.py, SWEEP_ARGS) and `maxfit` (scripts/max_fit.py, MAXFIT_ARGS),
+#   8b. optionally `readprobe` (benchmarks/tools/read_behind_copy_probe.py: a read behind the copy-out),
 #   9. optionally `phase` (benchmarks/tools/phase_switch_bench.py, PHASE_ARGS: phase switches, three ways)
 #      and `demo` (scripts/demo.py, DEMO_ARGS).
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
@@ -109,6 +110,13 @@ for stage in $STAGES; do
       within_budget python3 benchmarks/tools/phase_switch_bench.py --out "$WORK/phase" ${PHASE_ARGS:-} 2>&1 \
         | tee "$OUT/phase_switch.log" || status=1
       cp "$WORK/phase/phase_switch.json" "$OUT/" 2>/dev/null ;;
+    readprobe)
+      # benchmarks/tools/read_behind_copy_probe.py: does the read after the step wait behind the copy-out
+      # (bulk, pieces, fed by a thread with READPROBE_ARGS' --depth in flight), per CUDA_DEVICE_MAX_CONNECTIONS.
+      for conn in 1 8; do
+        CUDA_DEVICE_MAX_CONNECTIONS=$conn within_budget python3 benchmarks/tools/read_behind_copy_probe.py \
+          --out "$OUT/read_probe_conn$conn.json" ${READPROBE_ARGS:-} 2>&1 | tee -a "$OUT/read_probe.log" || status=1
+      done ;;
     hostprobe)
       within_budget python3 benchmarks/tools/host_memory_probe.py --out "$OUT/host_probe.json" ${HOSTPROBE_ARGS:-} 2>&1 \
         | tee "$OUT/host_probe.log" || status=1 ;;
