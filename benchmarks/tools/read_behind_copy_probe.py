@@ -14,7 +14,8 @@ Each trial: a "step" kernel, then the copy-out of --gib GiB on a side stream (wa
 step), then ~--compute-ms of bf16 matmuls on the compute stream (the rest of the step, the
 all-reduce, the next forward), then `.item()` of a scalar computed after them. Reported per mode
 (median over --repeat trials): host ms from the first launch to the read's return, the same with
-no copy at all (the compute alone), and the copy-out's span and GB/s (CUDA events on its stream).
+no copy at all (the compute alone), the host ms to enqueue the compute (a feeder thread holding
+the GIL would show there), and the copy-out's span and GB/s (CUDA events on its stream).
 
 Modes:
   none      no copy (reference);
@@ -81,6 +82,7 @@ def trial(mode, src, dst, a, b, matmuls, piece, depth, compute, side):
     for _ in range(matmuls):
         out = torch.matmul(a, b)
     flag = out.float().sum()
+    launch_ms = (time.perf_counter() - t0) * 1e3  # host time to enqueue it all (a feeder taking the GIL shows here)
     value = flag.item()  # the read
     read_ms = (time.perf_counter() - t0) * 1e3
     if mode == "deferred":
@@ -95,7 +97,7 @@ def trial(mode, src, dst, a, b, matmuls, piece, depth, compute, side):
     torch.cuda.synchronize()
     copy_ms = begin.elapsed_time(end) if mode != "none" else 0.0
     del value
-    return read_ms, copy_ms
+    return read_ms, copy_ms, launch_ms
 
 
 def main():
@@ -131,16 +133,18 @@ def main():
         runs = [trial(mode, src, dst, a, b, matmuls, piece, opts.depth, compute, side) for _ in range(opts.repeat)]
         read = statistics.median(r[0] for r in runs)
         copy = statistics.median(r[1] for r in runs)
-        results["modes"][mode] = {"read_ms": read, "copy_ms": copy,
+        launch = statistics.median(r[2] for r in runs)
+        results["modes"][mode] = {"read_ms": read, "copy_ms": copy, "launch_ms": launch,
                                   "copy_gbps": nbytes / copy / 1e6 if copy else None}
     none = results["modes"]["none"]["read_ms"]
     print(f"CUDA_DEVICE_MAX_CONNECTIONS={results['connections']}: {opts.gib} GiB copy-out, {matmuls} matmuls "
           f"({matmuls * per:.1f} ms), pieces {opts.piece_mib} MiB, depth {opts.depth}")
-    print("| mode | read returns after ms | x compute alone | copy-out ms | GB/s |")
-    print("|---|---|---|---|---|")
+    print("| mode | read returns after ms | x compute alone | host ms to enqueue | copy-out ms | GB/s |")
+    print("|---|---|---|---|---|---|")
     for mode, r in results["modes"].items():
         gbps = f"{r['copy_gbps']:.1f}" if r["copy_gbps"] else "-"
-        print(f"| {mode} | {r['read_ms']:.1f} | {r['read_ms'] / none:.2f} | {r['copy_ms']:.1f} | {gbps} |")
+        print(f"| {mode} | {r['read_ms']:.1f} | {r['read_ms'] / none:.2f} | {r['launch_ms']:.1f} | {r['copy_ms']:.1f} "
+              f"| {gbps} |")
     if opts.out:
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=1)
