@@ -226,20 +226,20 @@ def save_growth_check(plain_rank, offload_rank):
 
 
 def save_growth_checks(plain_ranks, offload_ranks):
-    """[(what, ok, detail)]: `save_growth_check` on every rank that had state off the GPU when its
-    saves began, and one check that at least one rank had. A rank whose whole state is one chunk
-    (a DP shard inside one parameter) holds it through the chunked step, so its saves begin while
-    that chunk is still being copied out: there the save has nothing to bring back and the check
-    would say nothing."""
+    """[(what, ok, detail)]: `save_growth_check` on every rank, except a rank whose whole state is
+    one chunk (its DP shard inside one parameter) that had nothing off the GPU at a save: the
+    chunked step holds such a chunk through the step, so its saves begin while it is still being
+    copied out and the check would say nothing. Any other rank with nothing off fails, as before.
+    At least one rank must have been checked."""
     checks, skipped = [], []
-    for r, (plain, ours) in enumerate(zip(plain_ranks, offload_ranks)):
-        if offloaded_at_save(ours) > 0:
-            checks.append((f"rank {r} checkpoint save reads what is off the GPU from the host",
-                           *save_growth_check(plain, ours)))
-        else:
+    for r, (plain, ours) in enumerate(zip(plain_ranks, offload_ranks, strict=True)):
+        if offloaded_at_save(ours) == 0 and ours.get("chunk_count") == 1:
             skipped.append(r)
+            continue
+        checks.append((f"rank {r} checkpoint save reads what is off the GPU from the host",
+                       *save_growth_check(plain, ours)))
     checks.append(("some rank saved with state off the GPU", len(skipped) < len(offload_ranks),
-                   f"(ranks with nothing off at a save: {skipped})" if skipped else ""))
+                   f"(one-chunk ranks with nothing off at a save: {skipped})" if skipped else ""))
     return checks
 
 

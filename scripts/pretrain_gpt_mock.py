@@ -614,6 +614,7 @@ class Recorder:
                                  "iterations": len(self.iterations)},
                     "offloaded_bytes": coord.state_bytes,
                     "kept_bytes": sum(off.kept_bytes for off in coord.offloaders),
+                    "chunk_count": sum(len(off.chunks) for off in coord.offloaders),
                     "auto_fraction": dataclasses.asdict(coord.auto_choice) if coord.auto_choice else None,
                     "step_budget_bytes": coord.step_budgets[-1] if coord.step_budgets else None,
                     "pinned_bytes": coord.pinned_bytes,

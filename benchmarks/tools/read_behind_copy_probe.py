@@ -109,6 +109,8 @@ def main():
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--out", default=None)
     opts = p.parse_args()
+    if opts.depth < 1 or opts.piece_mib < 1:
+        p.error("--depth and --piece-mib must be >= 1")
     device = torch.device("cuda", torch.cuda.current_device())
     nbytes = int(opts.gib * 2**30)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -47,8 +47,7 @@ def test_a_save_with_the_state_resident_proves_nothing_and_fails(recorded):
     runs, printed = recorded
     for save in runs["offload_chunked"]["ranks"][0]["saves"]:
         save["offloaded_before"] = 0
-    # One rank, nothing off at its saves: no rank was checked, which fails.
-    assert failed(runs, printed) == ["offload_chunked: some rank saved with state off the GPU"]
+    assert failed(runs, printed) == ["offload_chunked: rank 0 checkpoint save reads what is off the GPU from the host"]
 
 
 def test_a_run_with_the_flag_that_never_attached_fails(recorded):

@@ -1766,3 +1766,42 @@ def test_fit_check_skips_the_allocator_snapshot_when_the_counters_rule_out_any_f
     assert snaps == 0 and skips > 0 and deferred >= skips  # nothing fits: no snapshot taken
     assert_bitwise_equal(state_plain, state)  # the reloads at finalize still bring everything back
     assert results[10**12][:3] == results[None][:3]  # room by the counters: the snapshot decides, as before
+
+
+def test_fit_pre_check_never_changes_what_fits():
+    """The counters' bound (reserved minus allocated, at least every free block of the snapshot
+    plus free bytes elsewhere) may only skip snapshots whose answer is "nothing": over random
+    block layouts, chunk sizes, workspaces and slots, `_fitting` with the bound chooses exactly
+    what it chooses without it, and defers the same number of reloads."""
+    import random
+
+    from megatron_offload.memory_policy import MemoryPolicy
+
+    class Chunk:
+        def __init__(self, nbytes):
+            self.gpu_nbytes = nbytes
+
+    class Policy(MemoryPolicy):
+        def __init__(self, blocks, free_mapped, workspace, slot):
+            self._init_memory_policy()
+            self._free_block_sizes = lambda: list(blocks)
+            self._free_mapped = free_mapped
+            self.backward_workspace = workspace
+            self._slot = lambda: slot
+
+    rng = random.Random(1)
+    skipped = 0
+    for _ in range(20000):
+        unit = rng.choice([1, 512, 1000, 2**20])
+        blocks = [rng.randint(0, 400) * unit for _ in range(rng.randint(0, 6))]
+        elsewhere = rng.choice([0, 0, rng.randint(0, 300) * unit])  # other streams and pools
+        chosen = [(None, Chunk(rng.randint(1, 300) * unit + rng.choice([0, rng.randint(0, 511)])))
+                  for _ in range(rng.randint(1, 4))]
+        workspace = rng.choice([0, rng.randint(0, 300) * unit])
+        slot = rng.choice([64, 512, 2**26, 10**12])
+        plain = Policy(blocks, None, workspace, slot)
+        bounded = Policy(blocks, lambda: sum(blocks) + elsewhere, workspace, slot)
+        assert plain._fitting(list(chosen)) == bounded._fitting(list(chosen))
+        assert plain.reloads_deferred_for_fit == bounded.reloads_deferred_for_fit
+        skipped += bounded.fit_skips
+    assert skipped > 1000  # the bound did skip snapshots, not only pass them through

@@ -191,18 +191,27 @@ def test_benchmark_reports_each_checkpoint_save(capsys):
     assert "baseline: checkpoint saves" not in out
 
 
-def test_save_growth_checks_skip_ranks_with_nothing_off_but_need_one_that_had():
+def test_save_growth_checks_skip_only_a_one_chunk_rank_with_nothing_off():
     """A rank whose state is one chunk holds it through the chunked step (DP2 rank 1 of the
-    matrix's dp2-async-chunked): it is left out, the other rank still checked."""
+    matrix's dp2-async-chunked): it is left out, the other rank still checked. A rank of several
+    chunks with nothing off is checked, and fails."""
     from megatron_runs import save_growth_checks
 
-    checks = save_growth_checks([rank(10), rank(10)], [rank(12, state=256), rank(10, state=256, off=0)])
+    def one_chunk(record):
+        return dict(record, chunk_count=1)
+
+    checks = save_growth_checks([rank(10), rank(10)], [rank(12, state=256), one_chunk(rank(10, state=256, off=0))])
     assert [c[0] for c in checks] == ["rank 0 checkpoint save reads what is off the GPU from the host",
                                       "some rank saved with state off the GPU"]
     assert all(ok for _, ok, _ in checks) and "[1]" in checks[-1][2]
     # A save that brought the state back on the checked rank still fails.
-    checks = save_growth_checks([rank(10), rank(10)], [rank(10 + 256, state=256), rank(10, state=256, off=0)])
+    checks = save_growth_checks([rank(10), rank(10)],
+                                [rank(10 + 256, state=256), one_chunk(rank(10, state=256, off=0))])
     assert not checks[0][1]
-    # Nothing off on any rank: nothing was checked, which fails.
-    checks = save_growth_checks([rank(10)], [rank(10, state=256, off=0)])
+    # Several chunks, nothing off, the whole state brought back by the save: not skipped, fails.
+    checks = save_growth_checks([rank(10), rank(10)],
+                                [rank(12, state=256), dict(rank(10 + 2048, state=2048, off=0), chunk_count=4)])
+    assert [ok for _, ok, _ in checks] == [True, False, True]
+    # Nothing checked at all: fails.
+    checks = save_growth_checks([rank(10)], [one_chunk(rank(10, state=256, off=0))])
     assert [ok for _, ok, _ in checks] == [False]
