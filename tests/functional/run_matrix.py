@@ -43,6 +43,8 @@ from megatron_runs import model_args, reserved_saving_check, run_losses as losse
 
 # Swapped for megatron_runs.replay by --from-records.
 launch = megatron_runs.launch
+# Megatron arguments for every run of every case (--extra; e.g. TE layers where TE is installed).
+EXTRA = []
 
 SMALL = dict(layers=4, hidden=512, heads=8, seq=512, mbs=2, gbs=16)
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
@@ -145,7 +147,7 @@ def run_case(name, iters, out, slots):
         return lambda: slots.run(lambda env: launch(run_name, args, nproc, out, env_extra=env), nproc)
 
     half = iters // 2
-    base = model_args(iters, **{**SMALL, **overrides}) + ["--deterministic-mode"] + extra
+    base = model_args(iters, **{**SMALL, **overrides}) + ["--deterministic-mode"] + extra + EXTRA
     ck = lambda kind: os.path.join(out, f"ckpt_{name}-{kind}")  # noqa: E731
     save = (lambda kind: ["--save", ck(kind), "--save-interval", str(half)]) if ckpt_runs else (lambda kind: [])
     for kind in ("baseline", "offload"):
@@ -259,9 +261,13 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--runs-per-gpu", type=int, default=3, help="ranks of different runs sharing one GPU")
+    p.add_argument("--extra", action="append", default=[],
+                   help="extra Megatron args for every run (repeatable; each is split at spaces), e.g. "
+                        "--extra=--transformer-impl=transformer_engine")
     p.add_argument("--from-records", action="store_true",
                    help="launch nothing: re-evaluate the checks on the records of a finished matrix in --out")
     opts = p.parse_args(argv)
+    EXTRA[:] = " ".join(opts.extra).split()
     if opts.from_records:
         global launch
         launch = lambda name, args, nproc, out, env_extra=None: megatron_runs.replay(name, nproc, out)  # noqa: E731
