@@ -567,16 +567,23 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
         coord.optimizer_step_done()
 
 
-def test_memory_budget_frees_late_and_takes_state_off_the_peak():
-    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+def warmed_up_pair(layer_bytes, logits_bytes, margin, **iteration_kw):
+    """A reference optimizer and an offloaded one, each with its simulated memory, after the two
+    iterations that measure the growth profile: (ref, opt, ref_mem, mem, coord)."""
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
                        max_memory_allocated=mem.max_allocated)
     coord.add_optimizer(opt)
     for step in range(2):
-        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
-        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, **iteration_kw)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, **iteration_kw)
+    return ref, opt, ref_mem, mem, coord
+
+
+def test_memory_budget_frees_late_and_takes_state_off_the_peak():
+    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+    ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin)
     state = coord.state_bytes
     assert state > 0
     ref_mem.max = mem.max = 0
@@ -601,14 +608,7 @@ def test_a_peak_between_the_last_layer_and_the_forward_end_finds_the_state_off()
     the forward's end misses that transient; a budget taken from it kept 0.18 GiB of state
     resident through the iteration's peak (allocated 3.38 GiB against 3.20 possible)."""
     layer_bytes, logits_bytes, transient, margin = 40_000, 30_000, 50_000, 1024
-    ref, opt = FakeDistOpt(), FakeDistOpt()
-    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
-    coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
-                       max_memory_allocated=mem.max_allocated)
-    coord.add_optimizer(opt)
-    for step in range(2):
-        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, loss_transient=transient)
-        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, loss_transient=transient)
+    ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin, loss_transient=transient)
     state = coord.state_bytes
     assert transient - margin > coord.offloaders[0].chunks[0].gpu_nbytes  # room for a chunk to stay
     ref_mem.max = mem.max = 0
