@@ -122,8 +122,9 @@ class ChunkedStepSchedule:
         # or a later one's in the chain) needs its room; otherwise it stays resident and leaves
         # with the next forward like an unchunked step's state: a D2H enqueued now would also
         # hold up the loss read that follows the step (optimizer_step_done).
+        # With the feeder (copy_feeder.py) that read is not held up: every stepped chunk leaves now.
         later = order[k + 1:] + [c for o in self.offloaders if id(o) not in self.it.stepped for c in o.chunks]
-        if not any(c.state is ChunkState.OFFLOADED for c in later):
+        if self.feeder is None and not any(c.state is ChunkState.OFFLOADED for c in later):
             return
         off.start_copy_out([order[k]])
         self.it.stepped_out.append((off, order[k]))

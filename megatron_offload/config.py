@@ -26,6 +26,9 @@ class OffloadConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # size of the chunks the state is packed into
     margin_bytes: int = DEFAULT_MARGIN_BYTES  # kept free below the forward's peak when freeing late
     copy_piece_bytes: int = 0  # 0: each chunk's copy in one piece
+    # Experimental (copy_feeder.py): >0 starts the copy-out at the step (each piece, with the chunked
+    # step) and lets a host thread keep at most this many bytes of it queued on the GPU.
+    copy_out_in_flight_bytes: int = 0
     state_fraction: float = 1.0  # share of the state that leaves the GPU
     auto_fraction_at: Optional[int] = None  # `auto`: the iteration measured to choose the fraction
     chunked_step: bool = False  # step piece by piece, its resident state bounded
@@ -51,7 +54,8 @@ class OffloadConfig:
             raise ValueError(f"unknown release point(s) {sorted(unknown)}; known: {RELEASE_POINTS}")
         if not 0.0 <= self.state_fraction <= 1.0:
             raise ValueError(f"state_fraction must be within [0, 1], got {self.state_fraction}")
-        if self.chunk_bytes <= 0 or self.margin_bytes < 0 or self.copy_piece_bytes < 0 or self.step_budget_bytes < 0:
+        if (self.chunk_bytes <= 0 or self.margin_bytes < 0 or self.copy_piece_bytes < 0 or self.step_budget_bytes < 0
+                or self.copy_out_in_flight_bytes < 0):
             raise ValueError(f"sizes must be positive (chunk) or non-negative: {self}")
 
 

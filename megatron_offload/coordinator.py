@@ -44,6 +44,7 @@ from .allocator import CacheRelease
 from .calibration import Calibration
 from .chunked_schedule import ChunkedStepSchedule
 from .config import AllocatorProbes, OffloadConfig
+from .copy_feeder import CopyOutFeeder
 from .iteration import ForwardSample, IterationRecord, IterationState
 from .ledger import Ledger
 from .memory_policy import MemoryPolicy
@@ -118,6 +119,10 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
+        # Experimental: the copy-out starts at the step, fed by a host thread (copy_feeder.py).
+        self.feeder = (CopyOutFeeder(self.streams, config.copy_out_in_flight_bytes)
+                       if config.copy_out_in_flight_bytes else None)
+        self._stepped_since_forward = False  # (with the feeder: the silent no-op check below)
         self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
         # One entry per state access in progress, innermost last: (offloader, state_access.Access).
         self._accesses: List[tuple] = []
@@ -140,6 +145,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
     @_inert_once_closed
     def start_pending_copy_out(self) -> None:
         """Enqueue the copy-out of the last step (normally done by the next forward)."""
+        self._stepped_since_forward = False
         for off in self._copy_out_due:
             off.start_copy_out()
             self._trace(f"copy_out:{off.name}")
@@ -323,7 +329,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         finish before the forward's first free. (Also after the parameter all-gather: on PCIe
         hosts the D2H and NCCL share the GPU's link.)
         """
-        if self._copy_out_due:
+        if self._copy_out_due or self._stepped_since_forward:
             # Why: the copy-out of the last step is started by the next forward_begin; a step
             # with it still pending means no forward reached the hooks, so the state never leaves
             # the GPU while everything looks fine (the silent no-op of issue 28).
@@ -337,7 +343,12 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._skipped_last_step = False
         self._release_cache_at("step_end")
         for off in self.offloaders:
-            if id(off) in self.it.stepped:
+            if id(off) in self.it.stepped and self.feeder is not None:
+                # The feeder lets the host's reads after the step through (copy_feeder.py).
+                off.start_copy_out()
+                self._trace(f"copy_out:{off.name}")
+                self._stepped_since_forward = True
+            elif id(off) in self.it.stepped:
                 self._copy_out_due.append(off)
             else:
                 # Skipped step (inf/nan, grad-norm threshold) or a stub: the reload may be in
@@ -367,6 +378,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._hook_handles.clear()
         for off in self.offloaders:
             off.close()
+        if self.feeder is not None:
+            self.feeder.close()
 
 
 class OffloadNotRunningError(RuntimeError):

@@ -88,6 +88,15 @@ def add_flags(parser):
         "chunk). (megatron-offload)",
     )
     group.add_argument(
+        "--offload-copy-out-in-flight-mb",
+        type=int,
+        default=0,
+        help="Experimental: start the copy-out when the optimizer step is done (with "
+        "--offload-chunked-step: as each chunk is stepped) instead of at the next forward, and let a "
+        "host thread keep at most this many MiB of it queued on the GPU, so that the host's reads "
+        "right after the step do not wait behind it (0: off). (megatron-offload)",
+    )
+    group.add_argument(
         "--offload-no-timing",
         action="store_true",
         help="Do not record CUDA events around copies (no D2H/H2D timings in the log). "
@@ -116,6 +125,8 @@ def check_values(args) -> None:
             "--offload-chunked-step or drop it")
     if args.offload_copy_piece_mb < 0:
         raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
+    if args.offload_copy_out_in_flight_mb < 0:
+        raise validation.OffloadArgumentError("--offload-copy-out-in-flight-mb must be >= 0 (0: off)")
     if args.offload_state_fraction != AUTO and not 0.0 < args.offload_state_fraction <= 1.0:
         raise validation.OffloadArgumentError(
             "--offload-state-fraction must be in (0, 1] or 'auto': the share of the optimizer "
@@ -129,6 +140,7 @@ def config_from_args(args) -> OffloadConfig:
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
         margin_bytes=args.offload_memory_margin_mb * 2**20,
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
+        copy_out_in_flight_bytes=args.offload_copy_out_in_flight_mb * 2**20,
         state_fraction=1.0 if auto else args.offload_state_fraction,
         auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
         chunked_step=args.offload_chunked_step,

@@ -93,6 +93,9 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         self.name = name
         self.chunks: List[Chunk] = []
         self.host: Optional[PinnedHostBuffer] = None
+        # Experimental (copy_feeder.py): when set, copy-outs are fed by its thread; a chunk it has
+        # not enqueued yet has no `ready`, so `flush_copy_out` enqueues it first wherever one is needed.
+        self.feeder = None
         self.snapshots = SaveSnapshots()  # for asynchronous saves (expose_host_copies); empty until one
         self.discovery = Discovery([], [])
         self.stats = streams.stats
@@ -159,6 +162,12 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
                 chunk.ready = None
         if not stale:
             return
+        if self.feeder is not None:
+            for chunk in stale:
+                chunk.move_to(ChunkState.COPYING_OUT)
+                chunk.host_valid = True  # (its D2H is fed in order; `ready` once it is enqueued)
+            self.feeder.submit(self, stale)
+            return
         s = self.streams
         with s.on_d2h() as stream:
             # Why: the D2H must read the state only after the compute stream has finished writing
@@ -171,6 +180,12 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
                 chunk.move_to(ChunkState.COPYING_OUT)
                 chunk.host_valid = True
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in stale))
+
+    def flush_copy_out(self, chunks: Optional[List[Chunk]] = None) -> None:
+        """Every copy-out of `chunks` (default: all) the feeder still holds, enqueued now: their
+        `ready` events exist afterwards."""
+        if self.feeder is not None:
+            self.feeder.flush(self.chunks if chunks is None else chunks)
 
     def _copy_pieces(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """One asynchronous copy per `copy_piece_bytes` (one per chunk by default). Smaller pieces
@@ -187,6 +202,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
             `OffloadCoordinator._free_until` for why the forward's frees do)."""
         if not chunks:
             return 0
+        self.flush_copy_out(chunks)
         s = self.streams
         pending = [c.ready for c in chunks if c.ready is not None]
         if pending and host_waits:
@@ -249,6 +265,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         """
         if chunks is None:
             chunks = self.chunks
+        self.flush_copy_out(chunks)
         self.start_copy_in([c for c in chunks if c.state is ChunkState.OFFLOADED])
         s = self.streams
         pending = [c for c in chunks if c.ready is not None]

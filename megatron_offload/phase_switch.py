@@ -64,6 +64,7 @@ class PhaseSwitch:
             self.offload_existing_state(materialize=False)
         for off in self.offloaders:
             off.start_copy_out()  # RESIDENT chunks: stepped since they were last copied out
+            off.flush_copy_out()  # (with the feeder: every copy-out enqueued, its event known)
         events = [c.ready for off in self.offloaders for c in off.chunks_in(ChunkState.COPYING_OUT)]
         moved = self._free_until(0)
         self._trace("offload_all")

@@ -90,6 +90,11 @@ VARIANTS = {
     "offload-auto": ["--offload-optimizer-states", "--offload-state-fraction", "auto"],
     # The step piece by piece, its resident state bounded (issue 4); budget automatic.
     "offload-chunked": ["--offload-optimizer-states", "--offload-chunked-step"],
+    # Experimental (copy_feeder.py): the copy-out starts at the step, fed 256 MiB at a time; with the
+    # chunked step, each chunk as it is stepped (issue 24's streamed step, in-step copy-out included).
+    "offload-fed": ["--offload-optimizer-states", "--offload-copy-out-in-flight-mb", "256"],
+    "offload-chunked-fed": ["--offload-optimizer-states", "--offload-chunked-step", "--offload-copy-out-in-flight-mb",
+                            "256"],
     "recompute": RECOMPUTE,
     "recompute+offload": RECOMPUTE + ["--offload-optimizer-states"],
     # The alternatives users pick today (issue 3):

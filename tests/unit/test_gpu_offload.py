@@ -424,6 +424,26 @@ def test_chunked_step_bit_exact_and_its_peak_bounded(fp16, delay_cycles):
 
 @DELAYS
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+def test_copy_out_feeder_is_bit_exact(chunked, delay_cycles):
+    """--offload-copy-out-in-flight-mb (copy_feeder.py): the copy-out starts at the step and a host
+    thread feeds it 1 MiB at a time; with copy-stream delays a piece enqueued without its wait, or
+    a free before its copy, shows up as wrong numbers. Skipped steps (fp16) included."""
+    kw = dict(fp16=True, loss_scale=1.0)
+    ref_losses, ref_skipped, ref_digest = reference(poison_steps=(0, 3), **kw)
+    torch.cuda.empty_cache()
+    model, optimizer = build(**kw)
+    coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=chunked, chunk_bytes=8 * 2**20,
+                   copy_out_in_flight_bytes=2**20, copy_piece_bytes=2**19)
+    losses, skipped = train(model, optimizer, coord, poison_steps=(0, 3))
+    assert skipped == ref_skipped
+    assert losses == ref_losses
+    assert digest(model, optimizer, coord) == ref_digest
+    assert coord.feeder._thread is not None  # the thread did run
+    coord.close()
+
+
+@DELAYS
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
 def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, delay_cycles):
     """--async-save (async_saves): a save right after a step finds every chunk sent out (no GPU
     chunk buffer for megatron-core's checkpoint worker to hold through its write) and reads host

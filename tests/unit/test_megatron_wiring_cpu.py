@@ -238,6 +238,19 @@ def test_chunked_step_flags():
         megatron_wiring.validate_args(negative)
 
 
+def test_copy_out_feeder_flag_is_opt_in_and_reaches_the_config():
+    from megatron_offload import megatron_args
+
+    assert parse([]).offload_copy_out_in_flight_mb == 0
+    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-copy-out-in-flight-mb", "256"])
+    megatron_wiring.validate_args(a)
+    assert megatron_args.config_from_args(a).copy_out_in_flight_bytes == 256 * 2**20
+    negative = parse(["--offload-optimizer-states", "--use-distributed-optimizer",
+                      "--offload-copy-out-in-flight-mb", "-1"])
+    with pytest.raises(OffloadArgumentError, match="--offload-copy-out-in-flight-mb"):
+        megatron_wiring.validate_args(negative)
+
+
 def test_cached_memory_release_is_opt_in():
     assert parse([]).offload_release_cached_memory is False
     assert parse(["--offload-release-cached-memory"]).offload_release_cached_memory is True

@@ -1,0 +1,153 @@
+"""Copy-outs fed to the GPU a few pieces at a time by a host thread (experimental, opt-in:
+`--offload-copy-out-in-flight-mb`, `OffloadConfig.copy_out_in_flight_bytes`).
+
+Why: a GPU's copy engine runs the D2H copies given to it in order. The training loop reads small
+results to the host right after the optimizer step (Megatron's update flag and loss), and each such
+read is a D2H copy too: queued behind the copy-out of the whole optimizer state it blocks the host
+for all of it, and the next iteration is not enqueued meanwhile. So by default the copy-out waits
+for the next forward (coordinator.optimizer_step_done). With the feeder it starts when the step
+is done (with the chunked step: when each piece is stepped), but only `in_flight_bytes` of it are
+ever queued on the GPU: a read waits behind at most those. A thread keeps the queue topped up, so
+the copy engine stays busy while the main thread is blocked in such a read.
+
+Invariants:
+* Pieces are enqueued on the D2H stream in submission order, each batch after a wait on the
+  compute-stream event recorded when it was submitted (the step that wrote the state).
+* A chunk's `ready` event is recorded right after its last piece. Until then the chunk is
+  `pending` and has no `ready`: whoever needs it (a free, a take-back, a phase switch, a re-pack)
+  calls `flush` first, which enqueues every piece up to that chunk from the caller's thread.
+* Enqueuing and `flush` hold one lock, so a piece is enqueued exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Deque, List, Optional, Tuple
+
+import torch
+
+# Pieces the thread enqueues (a piece must be well below the in-flight bound for the bound to mean
+# anything; `copy_piece_bytes` overrides it when smaller).
+FEED_PIECE_BYTES = 64 * 2**20
+# How long the thread sleeps between polls of the oldest piece in flight (the poll releases the
+# GIL, so the training loop's host thread is not held up by it).
+POLL_SECONDS = 50e-6
+
+
+class _Batch:
+    """Chunks submitted together (one offloader's stale chunks after a step or a piece)."""
+
+    def __init__(self, offloader, chunks, after):
+        self.offloader = offloader
+        self.after = after  # compute-stream event the first piece waits for (None on CPU)
+        self.pieces: Deque[Tuple[object, int, int]] = collections.deque()  # (chunk, start, stop)
+        for chunk in chunks:
+            step = min(offloader.copy_piece_bytes or FEED_PIECE_BYTES, FEED_PIECE_BYTES)
+            for start in range(0, chunk.nbytes, step):
+                self.pieces.append((chunk, start, min(start + step, chunk.nbytes)))
+        self.started = False
+        self.timer = None
+        self.nbytes = sum(c.nbytes for c in chunks)
+
+
+class CopyOutFeeder:
+    """Feeds the D2H of submitted chunks to the copy stream, at most `in_flight_bytes` queued."""
+
+    def __init__(self, streams, in_flight_bytes: int):
+        if in_flight_bytes <= 0:
+            raise ValueError("in_flight_bytes must be > 0")
+        self.streams = streams
+        self.in_flight_bytes = int(in_flight_bytes)
+        self._lock = threading.Condition()
+        self._batches: Deque[_Batch] = collections.deque()
+        self._pending = set()  # id() of chunks with pieces not enqueued yet
+        self._in_flight: Deque[Tuple[Optional[torch.cuda.Event], int]] = collections.deque()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self.flushed_pieces = 0  # pieces enqueued by `flush` (the caller's thread), for the report
+
+    # ------------------------------------------------------------------ main thread
+    def submit(self, offloader, chunks: List) -> None:
+        """Copy `chunks` (COPYING_OUT, host copy marked current by the caller) out behind the
+        compute stream's work enqueued so far."""
+        if not chunks:
+            return
+        batch = _Batch(offloader, chunks, self.streams.record(self.streams.compute))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("megatron-offload: copy-out submitted after the feeder was closed")
+            self._batches.append(batch)
+            self._pending.update(id(c) for c in chunks)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="megatron-offload-copy-out", daemon=True)
+                self._thread.start()
+            self._lock.notify()
+
+    def pending(self, chunk) -> bool:
+        return id(chunk) in self._pending
+
+    def flush(self, chunks: Optional[List] = None) -> None:
+        """Enqueue now, from this thread, every piece up to the last of `chunks` (all if None)
+        that the thread has not enqueued yet; their `ready` events exist afterwards."""
+        with self._lock:
+            wanted = self._pending if chunks is None else {id(c) for c in chunks} & self._pending
+            while wanted & self._pending:
+                self._enqueue_next_piece()
+                self.flushed_pieces += 1
+
+    def close(self) -> None:
+        """Enqueue what is left and stop the thread."""
+        self.flush()
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------ either thread (lock held)
+    def _enqueue_next_piece(self) -> None:
+        batch = self._batches[0]
+        chunk, start, stop = batch.pieces.popleft()
+        s = self.streams
+        with s.on_d2h() as stream:
+            if not batch.started:
+                batch.started = True
+                # Why: the D2H must read the state only after the compute stream has finished
+                # writing it (the step enqueued before `submit`).
+                if batch.after is not None:
+                    stream.wait_event(batch.after)
+                batch.timer = s.stats.start_copy(stream, "d2h")
+            chunk.host[start:stop].copy_(chunk.packed[start:stop], non_blocking=True)
+            event = s.record(stream)
+            last_of_chunk = not batch.pieces or batch.pieces[0][0] is not chunk
+            if last_of_chunk:
+                chunk.ready = event
+                self._pending.discard(id(chunk))
+            if not batch.pieces:
+                s.stats.end_copy(batch.timer, stream, batch.nbytes)
+                self._batches.popleft()
+        self._in_flight.append((event, stop - start))
+
+    def _queued_bytes(self) -> int:
+        """Bytes enqueued and not finished, dropping finished pieces from the front."""
+        while self._in_flight and (self._in_flight[0][0] is None or self._in_flight[0][0].query()):
+            self._in_flight.popleft()
+        return sum(n for _, n in self._in_flight)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        if self.streams.device.type == "cuda":
+            torch.cuda.set_device(self.streams.device)
+        while True:
+            with self._lock:
+                while not self._batches and not self._closed:
+                    self._lock.wait()
+                if self._closed and not self._batches:
+                    return
+                if self._queued_bytes() < self.in_flight_bytes:
+                    self._enqueue_next_piece()
+                    continue
+            time.sleep(POLL_SECONDS)
