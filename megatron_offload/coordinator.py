@@ -327,7 +327,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         (see [Note: copy-out at the next forward] in docs/design.md). By the
         first forward those reads are done, and nothing is lost: the copy-out only has to
         finish before the forward's first free. (Also after the parameter all-gather: on PCIe
-        hosts the D2H and NCCL share the GPU's link.)
+        hosts the D2H and NCCL share the GPU's link.) With the experimental feeder
+        (`--offload-copy-out-in-flight-mb`, copy_feeder.py) it starts here, a bounded amount queued.
         """
         if self._copy_out_due or self._stepped_since_forward:
             # Why: the copy-out of the last step is started by the next forward_begin; a step
@@ -343,12 +344,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._skipped_last_step = False
         self._release_cache_at("step_end")
         for off in self.offloaders:
-            if id(off) in self.it.stepped and self.feeder is not None:
-                # The feeder lets the host's reads after the step through (copy_feeder.py).
-                off.start_copy_out()
-                self._trace(f"copy_out:{off.name}")
-                self._stepped_since_forward = True
-            elif id(off) in self.it.stepped:
+            if id(off) in self.it.stepped:
                 self._copy_out_due.append(off)
             else:
                 # Skipped step (inf/nan, grad-norm threshold) or a stub: the reload may be in
@@ -363,7 +359,11 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._iterations_done += 1
         if self._recorder is not None:
             self._mark("step_end")
-            self._choose_fraction()
+            self._choose_fraction()  # (may re-pack: the copy-out below then sends the new chunks)
+        if self.feeder is not None and self._copy_out_due:
+            # The feeder lets the host's reads after the step through (copy_feeder.py): start now.
+            self.start_pending_copy_out()
+            self._stepped_since_forward = True
         if self._chunks(ChunkState.COPYING_OUT) or self._copy_out_due:
             self.phase = Phase.FREEING
         self._trace("step_done")

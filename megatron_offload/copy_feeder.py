@@ -6,9 +6,10 @@ results to the host right after the optimizer step (Megatron's update flag and l
 read is a D2H copy too: queued behind the copy-out of the whole optimizer state it blocks the host
 for all of it, and the next iteration is not enqueued meanwhile. So by default the copy-out waits
 for the next forward (coordinator.optimizer_step_done). With the feeder it starts when the step
-is done (with the chunked step: when each piece is stepped), but only `in_flight_bytes` of it are
-ever queued on the GPU: a read waits behind at most those. A thread keeps the queue topped up, so
-the copy engine stays busy while the main thread is blocked in such a read.
+is done (with the chunked step: when each piece is stepped), but only about `in_flight_bytes` of
+it are ever queued on the GPU (the thread tops the queue up while less is in flight, one piece of
+at most that size at a time): a read waits behind at most those. The thread keeps the copy engine
+busy while the main thread is blocked in such a read.
 
 Invariants:
 * Pieces are enqueued on the D2H stream in submission order, each batch after a wait on the
@@ -16,11 +17,15 @@ Invariants:
 * A chunk's `ready` event is recorded right after its last piece. Until then the chunk is
   `pending` and has no `ready`: whoever needs it (a free, a take-back, a phase switch, a re-pack)
   calls `flush` first, which enqueues every piece up to that chunk from the caller's thread.
-* Enqueuing and `flush` hold one lock, so a piece is enqueued exactly once.
+* Enqueuing and `flush` hold one lock, so a piece is enqueued exactly once; a piece leaves the
+  queue only once enqueued, and an error in the thread is raised at the caller's next call.
+* The copy timings (D2H GB/s in the log) span a batch from its first piece to its last, gaps
+  where the queue waited for the thread included: they read low with the feeder.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
 import time
@@ -39,12 +44,12 @@ POLL_SECONDS = 50e-6
 class _Batch:
     """Chunks submitted together (one offloader's stale chunks after a step or a piece)."""
 
-    def __init__(self, offloader, chunks, after):
+    def __init__(self, offloader, chunks, after, max_piece: int):
         self.offloader = offloader
         self.after = after  # compute-stream event the first piece waits for (None on CPU)
         self.pieces: Deque[Tuple[object, int, int]] = collections.deque()  # (chunk, start, stop)
+        step = min(offloader.copy_piece_bytes or FEED_PIECE_BYTES, FEED_PIECE_BYTES, max_piece)
         for chunk in chunks:
-            step = min(offloader.copy_piece_bytes or FEED_PIECE_BYTES, FEED_PIECE_BYTES)
             for start in range(0, chunk.nbytes, step):
                 self.pieces.append((chunk, start, min(start + step, chunk.nbytes)))
         self.started = False
@@ -66,7 +71,12 @@ class CopyOutFeeder:
         self._in_flight: Deque[Tuple[Optional[torch.cuda.Event], int]] = collections.deque()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._error: Optional[BaseException] = None  # what stopped the thread (raised at the next call)
         self.flushed_pieces = 0  # pieces enqueued by `flush` (the caller's thread), for the report
+        self.enqueued_pieces = 0  # all pieces enqueued, by either thread
+        # Why: nothing in Megatron's loop closes the coordinator at exit; copies the thread has not
+        # enqueued must not be left running into the interpreter's teardown (pinned buffers freed).
+        atexit.register(self.close)
 
     # ------------------------------------------------------------------ main thread
     def submit(self, offloader, chunks: List) -> None:
@@ -74,12 +84,16 @@ class CopyOutFeeder:
         compute stream's work enqueued so far."""
         if not chunks:
             return
-        batch = _Batch(offloader, chunks, self.streams.record(self.streams.compute))
+        batch = _Batch(offloader, chunks, self.streams.record(self.streams.compute), self.in_flight_bytes)
         with self._lock:
-            if self._closed:
-                raise RuntimeError("megatron-offload: copy-out submitted after the feeder was closed")
+            self._raise_thread_error()
             self._batches.append(batch)
             self._pending.update(id(c) for c in chunks)
+            if self._closed:
+                # After close (a checkpoint access once detached): no thread, enqueue it all now.
+                while self._batches:
+                    self._enqueue_next_piece()
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="megatron-offload-copy-out", daemon=True)
                 self._thread.start()
@@ -92,36 +106,51 @@ class CopyOutFeeder:
         """Enqueue now, from this thread, every piece up to the last of `chunks` (all if None)
         that the thread has not enqueued yet; their `ready` events exist afterwards."""
         with self._lock:
-            wanted = self._pending if chunks is None else {id(c) for c in chunks} & self._pending
+            self._raise_thread_error()
+            wanted = set(self._pending) if chunks is None else {id(c) for c in chunks} & self._pending
             while wanted & self._pending:
                 self._enqueue_next_piece()
                 self.flushed_pieces += 1
 
     def close(self) -> None:
-        """Enqueue what is left and stop the thread."""
-        self.flush()
+        """Enqueue what is left, stop the thread and wait for the copies (idempotent)."""
         with self._lock:
+            while self._batches:
+                self._enqueue_next_piece()
             self._closed = True
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.streams.d2h is not None:
+            self.streams.d2h.synchronize()
+        atexit.unregister(self.close)
+
+    def _raise_thread_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("megatron-offload: the copy-out thread failed; the host copies cannot be "
+                               "trusted") from self._error
 
     # ------------------------------------------------------------------ either thread (lock held)
     def _enqueue_next_piece(self) -> None:
+        """Enqueue the first piece not enqueued yet. A piece leaves the queue only once enqueued:
+        if anything here raises, the piece is still there for the next caller."""
         batch = self._batches[0]
-        chunk, start, stop = batch.pieces.popleft()
+        chunk, start, stop = batch.pieces[0]
         s = self.streams
         with s.on_d2h() as stream:
             if not batch.started:
-                batch.started = True
                 # Why: the D2H must read the state only after the compute stream has finished
                 # writing it (the step enqueued before `submit`).
                 if batch.after is not None:
                     stream.wait_event(batch.after)
+                s.delay(stream)  # (tests: copy-stream delays)
                 batch.timer = s.stats.start_copy(stream, "d2h")
+                batch.started = True
             chunk.host[start:stop].copy_(chunk.packed[start:stop], non_blocking=True)
             event = s.record(stream)
+            batch.pieces.popleft()
+            self.enqueued_pieces += 1
             last_of_chunk = not batch.pieces or batch.pieces[0][0] is not chunk
             if last_of_chunk:
                 chunk.ready = event
@@ -139,15 +168,19 @@ class CopyOutFeeder:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        if self.streams.device.type == "cuda":
-            torch.cuda.set_device(self.streams.device)
-        while True:
+        try:
+            if self.streams.device.type == "cuda":
+                torch.cuda.set_device(self.streams.device)
+            while True:
+                with self._lock:
+                    while not self._batches and not self._closed:
+                        self._lock.wait()
+                    if self._closed and not self._batches:
+                        return
+                    if self._queued_bytes() < self.in_flight_bytes:
+                        self._enqueue_next_piece()
+                        continue
+                time.sleep(POLL_SECONDS)
+        except BaseException as err:  # noqa: BLE001 - kept and raised in the training loop's thread
             with self._lock:
-                while not self._batches and not self._closed:
-                    self._lock.wait()
-                if self._closed and not self._batches:
-                    return
-                if self._queued_bytes() < self.in_flight_bytes:
-                    self._enqueue_next_piece()
-                    continue
-            time.sleep(POLL_SECONDS)
+                self._error = err

@@ -93,7 +93,7 @@ def add_flags(parser):
         default=0,
         help="Experimental: start the copy-out when the optimizer step is done (with "
         "--offload-chunked-step: as each chunk is stepped) instead of at the next forward, and let a "
-        "host thread keep at most this many MiB of it queued on the GPU, so that the host's reads "
+        "host thread keep about this many MiB of it queued on the GPU, so that the host's reads "
         "right after the step do not wait behind it (0: off). (megatron-offload)",
     )
     group.add_argument(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import List, Optional, Tuple
 
 import torch
@@ -46,6 +47,9 @@ class TransferStats:
 
     def __init__(self, timing: bool):
         self.timing = timing
+        # The copy-out feeder's thread records copies too (copy_feeder.py): the list of copies and
+        # the byte counters change under this lock.
+        self._copies_lock = threading.Lock()
         # Event pairs not harvested yet (only with timing; without, just the byte counters).
         self._copies: List[Tuple[str, object, object, int]] = []
         self._waits: List[Tuple[str, object, object]] = []
@@ -65,12 +69,14 @@ class TransferStats:
 
     def end_copy(self, timer, stream, nbytes: int) -> None:
         direction, start = timer
-        if direction == "d2h":
-            self.cumulative_d2h_bytes += nbytes
-        else:
-            self.cumulative_h2d_bytes += nbytes
-        if start is not None:
-            self._copies.append((direction, start, self._event(stream), nbytes))
+        end = self._event(stream) if start is not None else None
+        with self._copies_lock:
+            if direction == "d2h":
+                self.cumulative_d2h_bytes += nbytes
+            else:
+                self.cumulative_h2d_bytes += nbytes
+            if start is not None:
+                self._copies.append((direction, start, end, nbytes))
 
     @contextlib.contextmanager
     def exposed_wait(self, compute_stream, label: str):
@@ -104,13 +110,15 @@ class TransferStats:
     def peek(self) -> TransferTotals:
         """Totals of the completed copies not harvested yet, leaving them for `harvest`."""
         totals = TransferTotals()
-        self._add_completed_copies(totals)
+        with self._copies_lock:
+            self._add_completed_copies(totals)
         return totals
 
     def harvest(self) -> TransferTotals:
         """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
         totals = TransferTotals()
-        self._copies = self._add_completed_copies(totals)
+        with self._copies_lock:
+            self._copies = self._add_completed_copies(totals)
         still_waits = []
         for label, before, after in self._waits:
             if not after.query():
@@ -174,7 +182,11 @@ class CopyStreams:
         if stream is None:
             return
         stream.wait_event(self.compute.record_event())
-        if self.debug_delay_cycles:
+        self.delay(stream)
+
+    def delay(self, stream) -> None:
+        """Tests: hold `stream` for `debug_delay_cycles` GPU cycles (a missing wait then shows)."""
+        if self.debug_delay_cycles and stream is not None:
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(self.debug_delay_cycles)
 

@@ -626,6 +626,7 @@ class Recorder:
                     "fit_skips": coord.fit_skips,  # answered by the allocator counters alone
                     # copy-out pieces enqueued by the host thread itself, not the feeder's (copy_feeder.py)
                     "feeder_flushed_pieces": coord.feeder.flushed_pieces if coord.feeder is not None else None,
+                    "feeder_enqueued_pieces": coord.feeder.enqueued_pieces if coord.feeder is not None else None,
                     "reloads_deferred_for_fit": coord.reloads_deferred_for_fit,
                     "backward_workspace": coord.backward_workspace,
                     "cache_releases": coord.cache_releases,

@@ -3,6 +3,7 @@ bit-identical to training without offloading, the copy-out starts at the step, a
 of a chunk's copy finds it enqueued."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -124,3 +125,112 @@ def test_a_second_step_without_a_forward_is_still_refused_with_the_feeder():
     opt.step()
     with pytest.raises(OffloadNotRunningError):
         coord.optimizer_step_done()
+
+
+def gated_feeder(in_flight_bytes=10**9):
+    """A feeder whose thread waits at a gate (`release()`), so that the caller's flushes are all
+    that has run until then."""
+    feeder = CopyOutFeeder(CopyStreams(torch.device("cpu")), in_flight_bytes=in_flight_bytes)
+    gate = threading.Event()
+    original = feeder._run
+    feeder._run = lambda: (gate.wait(), original())
+    return feeder, gate.set
+
+
+def test_the_thread_copies_everything_without_any_flush_and_pieces_respect_the_bound():
+    feeder = CopyOutFeeder(CopyStreams(torch.device("cpu")), in_flight_bytes=700)
+    chunks = [Chunk(2500, k + 1) for k in range(2)]
+    feeder.submit(Offloader(), chunks)
+    assert max(stop - start for _, start, stop in feeder._batches[0].pieces) <= 700  # (not the 1000 asked)
+    deadline = time.time() + 10
+    while any(feeder.pending(c) for c in chunks) and time.time() < deadline:
+        time.sleep(0.001)
+    assert not any(feeder.pending(c) for c in chunks) and feeder.flushed_pieces == 0 and feeder.enqueued_pieces == 8
+    assert all(torch.equal(c.host, c.packed) for c in chunks)
+    feeder.close()
+
+
+def test_a_failing_copy_in_the_thread_loses_no_piece_and_is_raised_in_the_caller():
+    feeder, release = gated_feeder()
+    chunk = Chunk(2500, 7)
+    original = chunk.host
+
+    class FailOnce:
+        """The host copy's first slice assignment raises, as a failing copy would."""
+        failed = False
+
+        def __getitem__(self, index):
+            if not FailOnce.failed:
+                FailOnce.failed = True
+                raise RuntimeError("injected copy failure")
+            return original[index]
+
+    chunk.host = FailOnce()
+    feeder.submit(Offloader(), [chunk])
+    release()
+    deadline = time.time() + 10
+    while feeder._error is None and time.time() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="copy-out thread failed"):
+        feeder.flush()
+    # The piece that failed is still queued: enqueued by the caller, nothing lost.
+    feeder._error = None
+    feeder.flush()
+    assert torch.equal(original, chunk.packed) and not feeder.pending(chunk)
+    feeder.close()
+
+
+def test_take_back_and_phase_switch_leave_nothing_pending():
+    opt = FakeDistOpt()
+    coord = make_coord(chunk_bytes=2048, copy_out_in_flight_bytes=1024)
+    feeder, release = gated_feeder(1024)
+    coord.feeder = feeder
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    one_iteration(opt, coord, 0)
+    assert all(feeder.pending(c) for c in off.chunks)  # the thread is held: all still queued
+    first, last = feeder._batches[0].pieces[0][0], feeder._batches[-1].pieces[-1][0]  # in copy order
+    off.make_resident(will_modify=False, chunks=[first])
+    assert not feeder.pending(first) and feeder.pending(last)
+    coord.offload_all().wait()
+    assert not any(feeder.pending(c) for c in off.chunks)
+    release()
+    coord.close()
+
+
+def test_auto_fraction_repack_with_the_feeder_still_sends_the_state_out(monkeypatch):
+    """The calibration step re-packs the state at the chosen fraction after the step; the copy-out
+    must send the new chunks (it once sent the old ones, then the re-pack took them back)."""
+    import math
+
+    from megatron_offload import auto_fraction
+
+    monkeypatch.setattr(auto_fraction, "choose", lambda *a, **k: auto_fraction.Choice(0.5, 0.5, 0.0, 1.0, 0.0, 55, 55))
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    coord = make_coord(chunk_bytes=4096, auto_fraction_at=3, memory_room=lambda: math.inf,
+                       copy_out_in_flight_bytes=1024)
+    off = coord.add_optimizer(opt)
+    for step in range(4):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    assert off.kept and coord.state_fraction == 0.5
+    coord.forward_begin(True)
+    coord.forward_end()
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes > 0
+    coord.close()
+
+
+def test_a_state_access_after_close_still_copies_out():
+    """Megatron's checkpoint wrappers stay installed after a detach; their copy-outs then run
+    without the thread."""
+    opt = FakeDistOpt()
+    coord = make_coord(chunk_bytes=2048, copy_out_in_flight_bytes=1024)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    one_iteration(opt, coord, 0)
+    coord.close()
+    coord.before_state_access(off, will_modify=True)
+    coord.after_state_access(off, modified=True)
+    assert not any(coord.feeder.pending(c) for c in off.chunks)

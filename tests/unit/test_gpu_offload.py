@@ -438,7 +438,7 @@ def test_copy_out_feeder_is_bit_exact(chunked, delay_cycles):
     assert skipped == ref_skipped
     assert losses == ref_losses
     assert digest(model, optimizer, coord) == ref_digest
-    assert coord.feeder._thread is not None  # the thread did run
+    assert coord.feeder.flushed_pieces < coord.feeder.enqueued_pieces  # the thread did part of the work
     coord.close()
 
 
