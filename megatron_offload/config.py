@@ -27,7 +27,7 @@ class OffloadConfig:
     margin_bytes: int = DEFAULT_MARGIN_BYTES  # kept free below the forward's peak when freeing late
     copy_piece_bytes: int = 0  # 0: each chunk's copy in one piece
     # Experimental (copy_feeder.py): >0 starts the copy-out at the step (each piece, with the chunked
-    # step) and lets a host thread keep at most this many bytes of it queued on the GPU.
+    # step) and lets a host thread keep about this many bytes of it queued on the GPU.
     copy_out_in_flight_bytes: int = 0
     state_fraction: float = 1.0  # share of the state that leaves the GPU
     auto_fraction_at: Optional[int] = None  # `auto`: the iteration measured to choose the fraction

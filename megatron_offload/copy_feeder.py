@@ -45,7 +45,6 @@ class _Batch:
     """Chunks submitted together (one offloader's stale chunks after a step or a piece)."""
 
     def __init__(self, offloader, chunks, after, max_piece: int):
-        self.offloader = offloader
         self.after = after  # compute-stream event the first piece waits for (None on CPU)
         self.pieces: Deque[Tuple[object, int, int]] = collections.deque()  # (chunk, start, stop)
         step = min(offloader.copy_piece_bytes or FEED_PIECE_BYTES, FEED_PIECE_BYTES, max_piece)
@@ -91,8 +90,7 @@ class CopyOutFeeder:
             self._pending.update(id(c) for c in chunks)
             if self._closed:
                 # After close (a checkpoint access once detached): no thread, enqueue it all now.
-                while self._batches:
-                    self._enqueue_next_piece()
+                self._enqueue_all()
                 return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="megatron-offload-copy-out", daemon=True)
@@ -115,8 +113,7 @@ class CopyOutFeeder:
     def close(self) -> None:
         """Enqueue what is left, stop the thread and wait for the copies (idempotent)."""
         with self._lock:
-            while self._batches:
-                self._enqueue_next_piece()
+            self._enqueue_all()
             self._closed = True
             self._lock.notify()
         if self._thread is not None:
@@ -132,6 +129,10 @@ class CopyOutFeeder:
                                "trusted") from self._error
 
     # ------------------------------------------------------------------ either thread (lock held)
+    def _enqueue_all(self) -> None:
+        while self._batches:
+            self._enqueue_next_piece()
+
     def _enqueue_next_piece(self) -> None:
         """Enqueue the first piece not enqueued yet. A piece leaves the queue only once enqueued:
         if anything here raises, the piece is still there for the next caller."""
