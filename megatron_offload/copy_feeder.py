@@ -17,8 +17,10 @@ Invariants:
 * A chunk's `ready` event is recorded right after its last piece. Until then the chunk is
   `pending` and has no `ready`: whoever needs it (a free, a take-back, a phase switch, a re-pack)
   calls `flush` first, which enqueues every piece up to that chunk from the caller's thread.
-* Enqueuing and `flush` hold one lock, so a piece is enqueued exactly once; a piece leaves the
-  queue only once enqueued, and an error in the thread is raised at the caller's next call.
+* Enqueuing and `flush` hold one lock, so a piece is enqueued at least once and leaves the queue
+  only once all its bookkeeping is done (a failure half-way enqueues the same copy again later,
+  which writes the same bytes). If the thread fails, it says so in the log and the callers enqueue
+  everything themselves from then on, eagerly, as without the feeder (slower, never wrong).
 * The copy timings (D2H GB/s in the log) span a batch from its first piece to its last, gaps
   where the queue waited for the thread included: they read low with the feeder.
 """
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import threading
 import time
+import weakref
 from typing import Deque, List, Optional, Tuple
 
 import torch
@@ -39,6 +43,22 @@ FEED_PIECE_BYTES = 64 * 2**20
 # How long the thread sleeps between polls of the oldest piece in flight (the poll releases the
 # GIL, so the training loop's host thread is not held up by it).
 POLL_SECONDS = 50e-6
+
+
+logger = logging.getLogger(__name__)
+# Feeders not closed yet: closed at interpreter exit (a weak set, so that a coordinator dropped
+# without close() can still be collected).
+_LIVE: "weakref.WeakSet[CopyOutFeeder]" = weakref.WeakSet()
+# At exit, how long to wait for copies still running (a hung compute stream must not hang the exit).
+EXIT_WAIT_SECONDS = 10.0
+
+
+@atexit.register
+def _close_live_feeders() -> None:
+    # Why: nothing in Megatron's loop closes the coordinator at exit; copies the thread has not
+    # enqueued must not be left to the interpreter's teardown (which frees the pinned buffers).
+    for feeder in list(_LIVE):
+        feeder.close(wait_seconds=EXIT_WAIT_SECONDS)
 
 
 class _Batch:
@@ -57,7 +77,7 @@ class _Batch:
 
 
 class CopyOutFeeder:
-    """Feeds the D2H of submitted chunks to the copy stream, at most `in_flight_bytes` queued."""
+    """Feeds the D2H of submitted chunks to the copy stream, about `in_flight_bytes` queued."""
 
     def __init__(self, streams, in_flight_bytes: int):
         if in_flight_bytes <= 0:
@@ -68,28 +88,27 @@ class CopyOutFeeder:
         self._batches: Deque[_Batch] = collections.deque()
         self._pending = set()  # id() of chunks with pieces not enqueued yet
         self._in_flight: Deque[Tuple[Optional[torch.cuda.Event], int]] = collections.deque()
+        self._in_flight_bytes = 0  # sum over `_in_flight`
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        self._error: Optional[BaseException] = None  # what stopped the thread (raised at the next call)
+        self.error: Optional[BaseException] = None  # what stopped the thread, if anything
         self.flushed_pieces = 0  # pieces enqueued by `flush` (the caller's thread), for the report
         self.enqueued_pieces = 0  # all pieces enqueued, by either thread
-        # Why: nothing in Megatron's loop closes the coordinator at exit; copies the thread has not
-        # enqueued must not be left running into the interpreter's teardown (pinned buffers freed).
-        atexit.register(self.close)
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ main thread
     def submit(self, offloader, chunks: List) -> None:
         """Copy `chunks` (COPYING_OUT, host copy marked current by the caller) out behind the
         compute stream's work enqueued so far."""
+        chunks = [c for c in chunks if c.nbytes]
         if not chunks:
             return
         batch = _Batch(offloader, chunks, self.streams.record(self.streams.compute), self.in_flight_bytes)
         with self._lock:
-            self._raise_thread_error()
             self._batches.append(batch)
             self._pending.update(id(c) for c in chunks)
-            if self._closed:
-                # After close (a checkpoint access once detached): no thread, enqueue it all now.
+            if self._closed or self.error is not None:
+                # No thread (closed: a checkpoint access once detached; or it failed): all now.
                 self._enqueue_all()
                 return
             if self._thread is None:
@@ -104,14 +123,14 @@ class CopyOutFeeder:
         """Enqueue now, from this thread, every piece up to the last of `chunks` (all if None)
         that the thread has not enqueued yet; their `ready` events exist afterwards."""
         with self._lock:
-            self._raise_thread_error()
             wanted = set(self._pending) if chunks is None else {id(c) for c in chunks} & self._pending
             while wanted & self._pending:
                 self._enqueue_next_piece()
                 self.flushed_pieces += 1
 
-    def close(self) -> None:
-        """Enqueue what is left, stop the thread and wait for the copies (idempotent)."""
+    def close(self, wait_seconds: Optional[float] = None) -> None:
+        """Enqueue what is left, stop the thread and wait for the copies: without limit, or for at
+        most `wait_seconds` (at exit). Idempotent."""
         with self._lock:
             self._enqueue_all()
             self._closed = True
@@ -119,14 +138,19 @@ class CopyOutFeeder:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self.streams.d2h is not None:
-            self.streams.d2h.synchronize()
-        atexit.unregister(self.close)
+        self._wait_for_copies(wait_seconds)
+        _LIVE.discard(self)
 
-    def _raise_thread_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("megatron-offload: the copy-out thread failed; the host copies cannot be "
-                               "trusted") from self._error
+    def _wait_for_copies(self, wait_seconds: Optional[float]) -> None:
+        stream = self.streams.d2h
+        if stream is None:
+            return
+        if wait_seconds is None:
+            stream.synchronize()
+            return
+        deadline = time.monotonic() + wait_seconds
+        while not stream.query() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     # ------------------------------------------------------------------ either thread (lock held)
     def _enqueue_all(self) -> None:
@@ -134,8 +158,8 @@ class CopyOutFeeder:
             self._enqueue_next_piece()
 
     def _enqueue_next_piece(self) -> None:
-        """Enqueue the first piece not enqueued yet. A piece leaves the queue only once enqueued:
-        if anything here raises, the piece is still there for the next caller."""
+        """Enqueue the first piece not enqueued yet. It leaves the queue only once everything
+        below has succeeded: if anything raises, the next caller enqueues it again."""
         batch = self._batches[0]
         chunk, start, stop = batch.pieces[0]
         s = self.streams
@@ -150,22 +174,27 @@ class CopyOutFeeder:
                 batch.started = True
             chunk.host[start:stop].copy_(chunk.packed[start:stop], non_blocking=True)
             event = s.record(stream)
-            batch.pieces.popleft()
-            self.enqueued_pieces += 1
-            last_of_chunk = not batch.pieces or batch.pieces[0][0] is not chunk
-            if last_of_chunk:
-                chunk.ready = event
-                self._pending.discard(id(chunk))
-            if not batch.pieces:
+            last_of_batch = len(batch.pieces) == 1
+            if last_of_batch:
                 s.stats.end_copy(batch.timer, stream, batch.nbytes)
-                self._batches.popleft()
-        self._in_flight.append((event, stop - start))
+        # Bookkeeping (cannot fail): the piece is enqueued.
+        batch.pieces.popleft()
+        self.enqueued_pieces += 1
+        if not batch.pieces or batch.pieces[0][0] is not chunk:
+            chunk.ready = event
+            self._pending.discard(id(chunk))
+        if last_of_batch:
+            self._batches.popleft()
+        if self._thread is not None and self.error is None and event is not None:
+            # Only the thread reads this window (`_queued_bytes`); without it nothing drains it.
+            self._in_flight.append((event, stop - start))
+            self._in_flight_bytes += stop - start
 
     def _queued_bytes(self) -> int:
         """Bytes enqueued and not finished, dropping finished pieces from the front."""
-        while self._in_flight and (self._in_flight[0][0] is None or self._in_flight[0][0].query()):
-            self._in_flight.popleft()
-        return sum(n for _, n in self._in_flight)
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight_bytes -= self._in_flight.popleft()[1]
+        return self._in_flight_bytes
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -182,6 +211,10 @@ class CopyOutFeeder:
                         self._enqueue_next_piece()
                         continue
                 time.sleep(POLL_SECONDS)
-        except BaseException as err:  # noqa: BLE001 - kept and raised in the training loop's thread
+        except BaseException as err:  # noqa: BLE001 - the callers take over (module docstring)
+            logger.warning("megatron-offload: the copy-out thread failed; copy-outs are enqueued eagerly from "
+                           "now on", exc_info=err)
             with self._lock:
-                self._error = err
+                self.error = err
+                self._in_flight.clear()
+                self._in_flight_bytes = 0
