@@ -174,13 +174,11 @@ class MemoryPolicy:
         least WORKSPACE_MIN_BLOCK (or a chunk slot) must still hold what one layer's backward
         allocated (`backward_workspace`, measured in the iteration's first backward).
         """
-        if not chosen:
-            return chosen
-        # The snapshot walks every block of the allocator (milliseconds where the state kept by
-        # the fraction is hundreds of tensors); the counters say in microseconds when even all
-        # free bytes together could not take the first chunk and leave the workspace.
-        first = (chosen[0][1].gpu_nbytes + 511) // 512 * 512
-        if self._free_mapped is not None and self._free_mapped() < first + self.backward_workspace:
+        # The snapshot walks every block of the allocator (milliseconds a call); the counters say
+        # in microseconds when even all free bytes together could not take the first chunk and
+        # leave the workspace (`chosen` is never empty here).
+        if (self._free_mapped is not None
+                and self._free_mapped() < _request_bytes(chosen[0][1]) + self.backward_workspace):
             self.fit_skips += 1
             self.reloads_deferred_for_fit += len(chosen)
             return []
@@ -191,7 +189,7 @@ class MemoryPolicy:
         self.fit_check_ms += (time.perf_counter() - start) * 1e3
         fitted = []
         for off, chunk in chosen:
-            need = (chunk.gpu_nbytes + 511) // 512 * 512  # the allocator's rounding of large requests
+            need = _request_bytes(chunk)
             i = bisect.bisect_left(blocks, need)
             if i == len(blocks):
                 break
@@ -248,6 +246,11 @@ class MemoryPolicy:
         if not self.config.chunked_step:
             return self.it.forward_end_max
         return max(self.it.forward_end_max, self._last_step_level)
+
+
+def _request_bytes(chunk) -> int:
+    """What the caching allocator takes for the chunk's buffer (large requests round up to 512)."""
+    return (chunk.gpu_nbytes + 511) // 512 * 512
 
 
 def _by_offloader(pairs):
