@@ -99,6 +99,18 @@ def upstream_script(explicit=None):
     return None
 
 
+def choose_script(choice):
+    """The training script for a `--script` choice: mock (the project's entry point), upstream
+    (Megatron-LM's own pretrain_gpt.py, which must exist), auto (upstream where found, else mock),
+    or a path to a pretrain_gpt.py / Megatron-LM directory."""
+    if choice == "mock":
+        return MOCK_SCRIPT
+    found = upstream_script(None if choice in ("auto", "upstream") else choice)
+    if found is None and choice != "auto":
+        raise SystemExit(f"no Megatron-LM pretrain_gpt.py found for --script {choice}")
+    return found or MOCK_SCRIPT
+
+
 def launch_expecting_failure(name, args, nproc, out, script=MOCK_SCRIPT, timeout=300,
                              env_extra=None):
     """Run a command that should be refused; returns (exit code, log text, seconds)."""

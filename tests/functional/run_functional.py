@@ -40,8 +40,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from megatron_runs import (  # noqa: E402
-    MOCK_SCRIPT, launch, launch_expecting_failure, megatron_printed, model_args, printed_losses, reserved_saving_check,
-    run_losses as losses, run_peak, save_growth_checks, upstream_script)
+    choose_script, launch, launch_expecting_failure, megatron_printed, model_args, printed_losses,
+    reserved_saving_check, run_losses as losses, run_peak, save_growth_checks)
 
 CASES = ("baseline,no_plugin,offload,offload_chunked,resume_offload,resume_plain,plain_to_offload,crash,"
          "resume_after_crash")
@@ -54,15 +54,6 @@ WARMUP = 3
 
 def peak_reserved(run):
     return [run_peak(r) for r in run["ranks"]]
-
-
-def choose_script(choice):
-    if choice == "mock":
-        return MOCK_SCRIPT
-    found = upstream_script(None if choice in ("auto", "upstream") else choice)
-    if found is None and choice != "auto":
-        raise SystemExit(f"no Megatron-LM pretrain_gpt.py found for --script {choice}")
-    return found or MOCK_SCRIPT
 
 
 def compare_runs(runs, printed, iters, nproc):

@@ -1,9 +1,10 @@
 """Parallel layouts and checkpoints, each with and without --offload-optimizer-states (issue 5).
 
-    python tests/functional/run_matrix.py --out /tmp/matrix [--gpus 4] [--iters 30] [--cases dp2,tp2,...]
+    python tests/functional/run_matrix.py --out /tmp/matrix [--gpus 4] [--iters 30] [--cases dp2,tp2,...] [--script upstream]
 
 Every layout case runs the same small GPT (or small MoE GPT) twice through torchrun
-(`-m megatron_offload`, mock data, --deterministic-mode) and checks: losses bit-identical at every
+(`-m megatron_offload`, or with --script upstream Megatron-LM's own pretrain_gpt.py under the
+recorder; mock data, --deterministic-mode) and checks: losses bit-identical at every
 iteration, identical final parameters and optimizer state on every rank, the state moved every
 step, the bytes offloaded equal to the optimizer's own count of its moments and fp32 masters (so
 nothing that should be off stays on the GPU), and peak reserved memory lower. Cases with
@@ -45,6 +46,8 @@ from megatron_runs import model_args, reserved_saving_check, run_losses as losse
 launch = megatron_runs.launch
 # Megatron arguments for every run of every case (--extra; e.g. TE layers where TE is installed).
 EXTRA = []
+# The training script of every run (--script; the project's entry point unless told).
+SCRIPT = [megatron_runs.MOCK_SCRIPT]
 
 SMALL = dict(layers=4, hidden=512, heads=8, seq=512, mbs=2, gbs=16)
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
@@ -144,7 +147,7 @@ def run_case(name, iters, out, slots):
     nproc, extra, overrides, ckpt_runs = CASES[name]
 
     def start(run_name, args):
-        return lambda: slots.run(lambda env: launch(run_name, args, nproc, out, env_extra=env), nproc)
+        return lambda: slots.run(lambda env: launch(run_name, args, nproc, out, script=SCRIPT[0], env_extra=env), nproc)
 
     half = iters // 2
     base = model_args(iters, **{**SMALL, **overrides}) + ["--deterministic-mode"] + extra + EXTRA
@@ -264,13 +267,17 @@ def main(argv=None):
     p.add_argument("--extra", action="append", default=[],
                    help="extra Megatron args for every run (repeatable; each is split at spaces), e.g. "
                         "--extra=--transformer-impl=transformer_engine")
+    p.add_argument("--script", default="mock",
+                   help="mock (the project's entry point), upstream (Megatron-LM's own pretrain_gpt.py), auto, or a path")
     p.add_argument("--from-records", action="store_true",
                    help="launch nothing: re-evaluate the checks on the records of a finished matrix in --out")
     opts = p.parse_args(argv)
     EXTRA[:] = " ".join(opts.extra).split()
+    SCRIPT[0] = megatron_runs.choose_script(opts.script)
+    print(f"training script: {SCRIPT[0]}", flush=True)
     if opts.from_records:
         global launch
-        launch = lambda name, args, nproc, out, env_extra=None: megatron_runs.replay(name, nproc, out)  # noqa: E731
+        launch = lambda name, args, nproc, out, script=None, env_extra=None: megatron_runs.replay(name, nproc, out)  # noqa: E731
     os.makedirs(opts.out, exist_ok=True)
     requested = opts.cases.split(",")
     unknown = [c for c in requested if c not in CASES]
