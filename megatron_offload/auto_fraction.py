@@ -57,7 +57,7 @@ class Choice:
 
     def describe(self) -> str:
         bound = "memory" if self.fit_fraction > self.free_fraction else "free transfer"
-        agreed = (f" (the smallest of the data-parallel group; this rank measured "
+        agreed = (f" (the smallest of the job; this rank measured "
                   f"{self.own_free_fraction:.2f})" if self.own_free_fraction >= 0 else "")
         which = "the second calibration's " if self.calibrations > 1 else "a "
         return (f"--offload-state-fraction auto: {self.fraction:.2f} (bound by {bound}; free "
@@ -182,10 +182,11 @@ def _settle(free: float, fit: float) -> float:
 
 
 def agree(choice: Choice, smallest: Callable[[float], float]) -> Choice:
-    """The choice with the free fraction the whole data-parallel group agrees on (`smallest`: the
-    minimum over the group, a collective). Ranks that step in lockstep wait for the slowest one,
-    so a rank offloading more than its neighbours' free share stalls all of them: the group then
-    runs well above the planner's floor for the smaller share (see [Note: group agreement] in
+    """The choice with the free fraction every rank of the job agrees on (`smallest`: the minimum
+    over the ranks, a collective). Ranks that step in lockstep (data-parallel peers, pipeline
+    stages, tensor/expert-parallel peers) wait for the slowest one, so a rank offloading more than
+    its neighbours' free share stalls all of them: the job then runs well above the planner's floor
+    for the smaller share (see [Note: group agreement] in
     docs/design.md). The memory bound stays this rank's own: needing more off than is free is
     worth the stall."""
     free = smallest(choice.free_fraction)

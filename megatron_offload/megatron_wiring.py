@@ -155,7 +155,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         config,
         announce=lambda msg: _print(msg, all_ranks=True),
         expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
-        smallest_in_group=_smallest_in_data_parallel_group() if config.auto_fraction_at else None,
+        smallest_in_group=_smallest_in_job() if config.auto_fraction_at else None,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
@@ -196,18 +196,22 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     return coord
 
 
-def _smallest_in_data_parallel_group():
-    """Minimum of a number over this rank's data-parallel group (ranks that step in lockstep);
-    None outside torch.distributed."""
+def _smallest_in_job():
+    """Minimum of a number over every rank of the job; None outside torch.distributed.
+
+    Why the whole job, not the data-parallel group: pipeline stages wait for each other's
+    activations and gradients, and tensor/expert-parallel peers for each other's collectives, as
+    data-parallel ranks wait at the gradient reduction. A stage that offloads more than its free
+    share delays the others, whose waits then read as idle time in its own calibration timeline
+    (see [Note: group agreement] in docs/design.md)."""
     if not torch.distributed.is_initialized():
         return None
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
 
     def smallest(value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=torch.cuda.current_device())
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+        # (NCCL reduces CUDA tensors only; the CPU tests run it over gloo.)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
         return float(t.item())
 
     return smallest

@@ -190,7 +190,7 @@ def test_the_group_agrees_on_its_smallest_free_fraction_but_memory_stays_per_ran
     assert seen == [own.free_fraction]
     assert agreed.free_fraction == pytest.approx(own.free_fraction - 0.05)
     assert agreed.fraction == math.floor(100 * (own.free_fraction - 0.05)) / 100 < own.fraction
-    assert "smallest of the data-parallel group" in agreed.describe()
+    assert "smallest of the job" in agreed.describe()
     # This rank measured the least: its choice stands.
     assert auto_fraction.agree(own, lambda x: x) is own
     # A rank whose memory needs more off than the group's free share keeps its memory bound.

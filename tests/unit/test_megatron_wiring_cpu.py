@@ -553,3 +553,38 @@ def test_async_save_and_fully_parallel_load_reach_the_config():
         assert megatron_args.config_from_args(args).async_save_snapshots == snapshots
     args.async_save = False
     assert not megatron_args.config_from_args(args).async_save_snapshots
+
+
+def _smallest_on_rank(rank, world, port, values, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        # Data-parallel groups of two inside the job, as in PP2 x DP2: the agreement must still span all.
+        for ranks in ([0, 1], [2, 3]):
+            dist.new_group(ranks)
+        smallest = megatron_wiring._smallest_in_job()
+        out.put((rank, smallest(values[rank])))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_automatic_fraction_is_agreed_by_every_rank_of_the_job():
+    """Pipeline stages wait for each other: a stage that offloads more than another's free share
+    stalls it (R3: stage 0 chose 1.00 and stage 1 0.50 when only data-parallel peers agreed)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    values = [1.0, 0.9, 0.5, 0.6]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_smallest_on_rank, args=(r, 4, port, values, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {r: 0.5 for r in range(4)}
+    assert megatron_wiring._smallest_in_job() is None  # (outside torch.distributed)
