@@ -41,15 +41,6 @@ class Packing:
         self.snapshots.drop_free()
         self.discovery = find_state_tensors(self.dist_opt, self.device)
         managed, self.kept = self._split_by_fraction(self.discovery.tensors)
-        for st in self.kept:
-            if st.owner is not None:
-                # A placeholder the fraction keeps on the GPU: create its value there now.
-                self._place(st, self._initial_value(st))
-                continue
-            # Packed by an earlier discovery (the split moves when tensors appear or are
-            # replaced): a view into an old chunk buffer would keep all of that buffer alive.
-            if st.tensor.untyped_storage().nbytes() > st.nbytes:
-                st.tensor.data = st.tensor.detach().clone()
         # A parameter's state larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
         # below) that every chunk is padded to.
         units = _units(managed, self.by_parameter)
@@ -103,13 +94,12 @@ class Packing:
                     if any(isinstance(v, torch.Tensor) and v.is_meta for v in state.values()):
                         del inner.state[p]
                 raise
-        # The previous chunk buffers are released once every tensor in them has been re-pointed
-        # into a new chunk (below), except one whose storage a kept tensor still is.
-        kept_storages = {st.tensor.untyped_storage()._cdata for st in self.kept}
-        retired = [old.buffer for old in self.chunks
-                   if old.buffer is not None and old.buffer.untyped_storage()._cdata not in kept_storages]
+        # The previous chunk buffers (kept ones included) are released once every tensor in them
+        # has been re-pointed into a new one (below).
+        retired = [old.buffer for old in self.chunks + self.kept_chunks if old.buffer is not None]
         for old in self.chunks:
             old.buffer = old.host = None
+        self._pack_kept(chunk_bytes)
         self.chunks = chunks
         base = 0
         for chunk in chunks:
@@ -150,6 +140,26 @@ class Packing:
                 self.name,
                 ", ".join(self.discovery.resident_other[:5]),
             )
+
+    def _pack_kept(self, chunk_bytes: int) -> None:
+        """Pack the tensors that `fraction` keeps on the GPU into buffers of about `chunk_bytes`,
+        one at a time; they are never freed or copied out.
+
+        Why not leave them where the optimizer (or an earlier packing) put them: about three
+        allocator blocks per parameter, each walked by the allocator snapshot behind `_fitting` on
+        every call (several times the snapshot's cost with the whole state in chunks; see [Note:
+        allocator query cost] in docs/design.md). A tensor packed before by an earlier discovery
+        must not stay a view into an old chunk buffer either (it would keep all of that buffer
+        alive)."""
+        layouts = _first_fit(_units(self.kept, self.by_parameter), chunk_bytes) if self.kept else []
+        self.kept_chunks = [Chunk(-1 - i, tensors, offsets, nbytes)
+                            for i, (tensors, offsets, nbytes) in enumerate(layouts)]
+        for chunk in self.kept_chunks:
+            chunk.gpu_nbytes = align_up(chunk.nbytes, 512)
+            with self.streams.on_compute():
+                self._pack(chunk)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # (as for the chunks below: bounds the transient to one)
 
     def _split_by_fraction(self, tensors: List[StateTensor]):
         """(offloaded, kept): a parameter-order prefix of the state tensors (of whole parameters

@@ -217,6 +217,10 @@ def test_state_fraction_bit_exact_and_only_the_rest_stays_resident():
     assert losses == ref_losses
     assert digest(model, optimizer, coord) == ref_digest
     assert off.kept_bytes > 0
+    # Packed into the few kept buffers, not one allocator block per tensor.
+    kept_buffers = {c.buffer.untyped_storage().data_ptr() for c in off.kept_chunks}
+    assert {st.tensor.untyped_storage().data_ptr() for st in off.kept} <= kept_buffers
+    assert len(kept_buffers) < len(off.kept)
     coord.close()
 
 

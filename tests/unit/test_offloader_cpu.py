@@ -292,8 +292,8 @@ def test_state_fraction_keeps_the_rest_resident_and_untouched(fraction):
     def check(where, mb):
         if not off.kept:
             return
+        assert_kept_packed(off)
         for st in off.kept:  # never freed, never moved (the same storage every time)
-            assert storage_bytes(st.tensor) == st.nbytes, st.name
             assert kept_storages.setdefault(st.name, st.tensor.untyped_storage().data_ptr()) == \
                 st.tensor.untyped_storage().data_ptr(), st.name
         assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes  # the rest is off
@@ -311,9 +311,22 @@ def test_state_fraction_keeps_the_rest_resident_and_untouched(fraction):
     assert "kept on the GPU" in coord.describe()
 
 
-def test_tensors_kept_after_a_new_split_own_their_storage():
+def assert_kept_packed(off, buffers_at_most=None):
+    """The kept tensors live in the offloader's kept buffers (chunk-sized, exactly as large as
+    their layout), not in blocks of their own nor in an old chunk buffer."""
+    buffers = {c.buffer.untyped_storage().data_ptr(): c.buffer for c in off.kept_chunks}
+    assert off.kept_chunks and len(buffers) == len(off.kept_chunks) <= (buffers_at_most or len(off.kept))
+    for c in off.kept_chunks:
+        assert storage_bytes(c.buffer) == c.gpu_nbytes < c.nbytes + 512
+    for st in off.kept:
+        assert st.tensor.untyped_storage().data_ptr() in buffers, st.name
+    assert sum(st.nbytes for st in off.kept) <= sum(c.nbytes for c in off.kept_chunks)
+
+
+def test_tensors_kept_after_a_new_split_are_packed_anew():
     """When a re-discovery moves the split, a tensor packed before and kept now must not stay a
-    view into the old chunk buffer (it would keep the whole buffer alive)."""
+    view into the old chunk buffer (it would keep the whole buffer alive): it moves into the new
+    kept buffers, and the old chunk buffer is released."""
     ref, opt = FakeDistOpt(), FakeDistOpt()
     coord = make_coord(chunk_bytes=2**20)  # one chunk: every tensor a view into one buffer
     off = coord.add_optimizer(opt)
@@ -321,10 +334,11 @@ def test_tensors_kept_after_a_new_split_own_their_storage():
     one_iteration(opt, coord, 0)  # everything packed into chunks
     assert len(off.chunks) == 1
     with coord.state_access([off], will_modify=True):
+        old = off.chunks[0].buffer
         off.fraction = 0.4  # re-split when the access closes
-    assert off.kept
-    for st in off.kept:
-        assert storage_bytes(st.tensor) == st.nbytes, st.name
+    assert len(off.kept) > 1
+    assert_kept_packed(off, buffers_at_most=1)  # (they fit one chunk of 1 MiB)
+    assert storage_bytes(old) == 0
     for step in range(1, 3):
         one_iteration(ref, None, step)
         one_iteration(opt, coord, step)
