@@ -115,7 +115,9 @@ def choose(timeline, state_bytes: int, d2h_gbps: float, h2d_gbps: float, room_by
 
     free, iteration_ms = free_share(first_forward_as_the_others(timeline))
     upper, _ = free_share(timeline)
-    fit = 0.0 if math.isinf(room_bytes) else min(1.0, max(0.0, 1.0 - room_bytes / state_bytes))
+    # (A rank with no state at all still takes part in the choice: its collectives are the job's.)
+    no_bound = math.isinf(room_bytes) or not state_bytes
+    fit = 0.0 if no_bound else min(1.0, max(0.0, 1.0 - room_bytes / state_bytes))
     return Choice(_settle(free, fit), free, fit, iteration_ms, stalls_ms, d2h_gbps, h2d_gbps,
                   free_upper=max(upper, free))
 

@@ -55,12 +55,13 @@ class Calibration:
                 self.auto_fraction_at = self._iterations_done + 1
         self._trace(f"auto_fraction:{choice.fraction:.2f}")
         self._announce_fn(choice.describe())
-        if choice.fraction >= 1.0 or choice.fraction == self.state_fraction:
+        # (Also 1.0 after a first choice below it: the second calibration's choice is applied.)
+        if choice.fraction == self.state_fraction:
             return
         self.state_fraction = choice.fraction
         for off in self.offloaders:
             off.fraction = choice.fraction
-            if off.chunks:
+            if off.chunks or off.kept:
                 off.make_resident(will_modify=True)  # (the chunked step sent some out already)
                 off.refresh()
         self._announce()

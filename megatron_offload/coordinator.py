@@ -156,7 +156,9 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
     @_inert_once_closed
     def forward_begin(self, training: bool = True) -> None:
         first = training and self.it.forwards == 0
-        if first and self.auto_fraction_at == self._iterations_done + 1 and self.state_bytes:
+        # Every rank measures, even one with nothing offloaded (a fraction below its first
+        # tensor): the choice ends in collectives over the whole job (`_choose_fraction`).
+        if first and self.auto_fraction_at == self._iterations_done + 1:
             self._recorder = auto_fraction.PhaseRecorder(self.streams.compute)
             self.streams.stats.stall_sink = self._recorder.stalls
             self._mark("iter_begin")
@@ -351,7 +353,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
                 # flight and the state is unchanged, so the host copy is still current: what
                 # came back leaves again without a D2H, the rest stays off.
                 off.settle_unmodified()
-                self._skipped_last_step = self._skipped_last_step or bool(off.chunks)
+                # (A stub holds no state and never steps; one whose state is all kept does.)
+                self._skipped_last_step = self._skipped_last_step or bool(off.chunks or off.kept)
                 self._trace(f"skipped:{off.name}")
         self.it = IterationRecord()  # the next iteration starts here, in AFTER_STEP
         if self._step_level:

@@ -97,9 +97,9 @@ class Packing:
         # The previous chunk buffers (kept ones included) are released once every tensor in them
         # has been re-pointed into a new one (below).
         retired = [old.buffer for old in self.chunks + self.kept_chunks if old.buffer is not None]
+        self._pack_kept()
         for old in self.chunks:
             old.buffer = old.host = None
-        self._pack_kept(chunk_bytes)
         self.chunks = chunks
         base = 0
         for chunk in chunks:
@@ -141,9 +141,10 @@ class Packing:
                 ", ".join(self.discovery.resident_other[:5]),
             )
 
-    def _pack_kept(self, chunk_bytes: int) -> None:
-        """Pack the tensors that `fraction` keeps on the GPU into buffers of about `chunk_bytes`,
-        one at a time; they are never freed or copied out.
+    def _pack_kept(self) -> None:
+        """Pack the tensors that `fraction` keeps on the GPU into buffers sized like chunks (from
+        the kept bytes, as `refresh` sizes chunks from the offloaded ones), one at a time; they
+        are never freed or copied out.
 
         Why not leave them where the optimizer (or an earlier packing) put them: about three
         allocator blocks per parameter, each walked by the allocator snapshot behind `_fitting` on
@@ -151,7 +152,10 @@ class Packing:
         allocator query cost] in docs/design.md). A tensor packed before by an earlier discovery
         must not stay a view into an old chunk buffer either (it would keep all of that buffer
         alive)."""
-        layouts = _first_fit(_units(self.kept, self.by_parameter), chunk_bytes) if self.kept else []
+        units = _units(self.kept, self.by_parameter)
+        total = sum(_unit_bytes(unit) for unit in units)
+        chunk_bytes = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-total // MIN_CHUNKS)))
+        layouts = _first_fit(units, chunk_bytes) if units else []
         self.kept_chunks = [Chunk(-1 - i, tensors, offsets, nbytes)
                             for i, (tensors, offsets, nbytes) in enumerate(layouts)]
         for chunk in self.kept_chunks:

@@ -570,7 +570,7 @@ def _smallest_on_rank(rank, world, port, values, out):
 
 def test_the_automatic_fraction_is_agreed_by_every_rank_of_the_job():
     """Pipeline stages wait for each other: a stage that offloads more than another's free share
-    stalls it (R3: stage 0 chose 1.00 and stage 1 0.50 when only data-parallel peers agreed)."""
+    stalls it (see [Note: group agreement] in docs/design.md)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -580,11 +580,15 @@ def test_the_automatic_fraction_is_agreed_by_every_rank_of_the_job():
     values = [1.0, 0.9, 0.5, 0.6]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_smallest_on_rank, args=(r, 4, port, values, out)) for r in range(4)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    procs = [ctx.Process(target=_smallest_on_rank, args=(r, 4, port, values, out), daemon=True) for r in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
     assert got == {r: 0.5 for r in range(4)}
     assert megatron_wiring._smallest_in_job() is None  # (outside torch.distributed)
