@@ -57,7 +57,9 @@ CASES = {
     # name: (GPUs, extra Megatron args, model overrides, checkpoint runs)
     "dp2": (2, [], {}, ("no_load_optim", "finetune")),
     # (--sequence-parallel needs Transformer Engine's or Apex's LayerNorm: not on the test machines.)
-    "tp2": (2, ["--tensor-model-parallel-size", "2"], {}, ()),
+    # Sequence 2048 as for the PP cases: at 512 the optimizer step was this small model's peak
+    # (benchmarks/NOTES.md, seventeenth session), which no unchunked offload can lower.
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], {"seq": 2048}, ()),
     # PP stages and DP4 at sequence 2048. At 512, this 4-layer model's pipeline stages hold 2
     # layers' activations for 2 microbatches, less than the optimizer step's temporaries: the
     # step is their memory peak, and it needs the whole state (unchunked) or, chunked, the
