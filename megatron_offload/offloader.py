@@ -86,7 +86,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         self.by_parameter = by_parameter  # pack each parameter's state into one chunk (`_units`)
         self.uniform_slots = uniform_slots
         self.kept: List[StateTensor] = []  # state tensors left resident by `fraction`
-        # Buffers the kept tensors are packed into (never freed or copied; `Packing._pack_kept`).
+        # Buffers the kept tensors are packed into (never freed or copied out; `Packing._pack_kept`).
         self.kept_chunks: List[Chunk] = []
         self.dist_opt = dist_opt
         self.streams = streams

@@ -45,7 +45,7 @@ class Packing:
         # below) that every chunk is padded to.
         units = _units(managed, self.by_parameter)
         total = sum(_unit_bytes(unit) for unit in units)
-        chunk_bytes = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-total // MIN_CHUNKS)))
+        chunk_bytes = self._chunk_bytes_for(total)
         largest = max([_unit_bytes(unit) for unit in units], default=0)
         target = max(chunk_bytes, largest)
         # Balanced: as many chunks as `target` needs, each about total / count, so that the last
@@ -153,8 +153,7 @@ class Packing:
         must not stay a view into an old chunk buffer either (it would keep all of that buffer
         alive)."""
         units = _units(self.kept, self.by_parameter)
-        total = sum(_unit_bytes(unit) for unit in units)
-        chunk_bytes = min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-total // MIN_CHUNKS)))
+        chunk_bytes = self._chunk_bytes_for(sum(_unit_bytes(unit) for unit in units))
         layouts = _first_fit(units, chunk_bytes) if units else []
         self.kept_chunks = [Chunk(-1 - i, tensors, offsets, nbytes)
                             for i, (tensors, offsets, nbytes) in enumerate(layouts)]
@@ -164,6 +163,11 @@ class Packing:
                 self._pack(chunk)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # (as for the chunks below: bounds the transient to one)
+
+    def _chunk_bytes_for(self, total: int) -> int:
+        """Chunk size for `total` packed bytes: `chunk_bytes`, but at least MIN_CHUNKS chunks for
+        a small state (not below MIN_CHUNK_BYTES; see [Note: small states] in docs/design.md)."""
+        return min(self.chunk_bytes, max(MIN_CHUNK_BYTES, -(-total // MIN_CHUNKS)))
 
     def _split_by_fraction(self, tensors: List[StateTensor]):
         """(offloaded, kept): a parameter-order prefix of the state tensors (of whole parameters
