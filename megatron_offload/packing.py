@@ -40,7 +40,7 @@ class Packing:
         # The snapshot sets of the old layout go before the new buffer is pinned (save_snapshot).
         self.snapshots.drop_free()
         self.discovery = find_state_tensors(self.dist_opt, self.device)
-        managed, self.kept = self._split_by_fraction(self.discovery.tensors)
+        managed, kept = self._split_by_fraction(self.discovery.tensors)
         # A parameter's state larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
         # below) that every chunk is padded to.
         units = _units(managed, self.by_parameter)
@@ -97,6 +97,7 @@ class Packing:
         # The previous chunk buffers (kept ones included) are released once every tensor in them
         # has been re-pointed into a new one (below).
         retired = [old.buffer for old in self.chunks + self.kept_chunks if old.buffer is not None]
+        self.kept = kept  # (only now: a refused pin above leaves the old split with the old chunks)
         self._pack_kept()
         for old in self.chunks:
             old.buffer = old.host = None

@@ -94,9 +94,11 @@ def test_unpinned_buffers_are_not_hidden_from_children():
     assert buf.pinning == "pageable" and not buf.dontfork
 
 
-def test_a_refused_pin_leaves_the_offloader_unattached(monkeypatch):
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_a_refused_pin_leaves_the_offloader_unattached(monkeypatch, fraction):
     """A refused pin raises out of the start-up offload, which detaches the coordinator (hooks
-    removed, placeholders filled): the optimizer trains exactly as without offloading."""
+    removed, placeholders filled): the optimizer trains exactly as without offloading, and the
+    offloader claims no state (nothing offloaded, nothing kept)."""
     from megatron_offload import packing
     from fakes import assert_bitwise_equal, make_grads, snapshot
 
@@ -106,11 +108,12 @@ def test_a_refused_pin_leaves_the_offloader_unattached(monkeypatch):
     ref, opt = FakeDistOpt(), FakeDistOpt()
     monkeypatch.setattr(packing, "PinnedHostBuffer", refusing)
     coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
-                               expected_forwards_per_iteration=lambda: 1)
+                               expected_forwards_per_iteration=lambda: 1, state_fraction=fraction)
     off = coord.add_optimizer(opt)
     with pytest.raises(HostMemoryError):
         coord.offload_existing_state()
     assert off.chunks == [] and off.host is None
+    assert off.kept == [] and off.kept_chunks == [] and off.kept_bytes == 0
     for step in range(2):  # the optimizer still works as if nothing had happened
         for o in (ref, opt):
             make_grads(o.all_params(), step)
