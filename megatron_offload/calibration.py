@@ -17,42 +17,54 @@ class Calibration:
         """Allocated bytes that are not chunk buffers (the planner's growth is relative)."""
         return self._allocated() - self.resident_bytes
 
+    def _any_in_group(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank of the job (a collective where there is a job: the
+        maximum, as minus the minimum of the negated flags)."""
+        if self._smallest_in_group is None:
+            return bool(flag)
+        return -self._smallest_in_group(-float(flag)) > 0
+
     def _mark(self, label: str) -> None:
         if self._recorder is not None:
             self._recorder.mark(label, self._activation_bytes())
 
     def _choose_fraction(self) -> None:
         """End of the calibration iteration: pick the fraction and re-pack the offloaders with it,
-        before their copy-out (due at the next forward) is enqueued."""
+        before their copy-out (due at the next forward) is enqueued.
+
+        Every rank of the job gets here after the same step and makes the same collectives,
+        whatever it holds (no offloader, stubs only, everything kept) and whether or not it
+        measured: the choice's agreements span the job (`agree`)."""
         recorder, self._recorder = self._recorder, None
         self.streams.stats.stall_sink = None
-        if self._skipped_last_step:
+        # Why agreed: a rank with no state of its own cannot see a skipped step, and one that
+        # went on would wait in a collective that the others never make.
+        if self._any_in_group(self._skipped_last_step):
             # A skipped step: the state was sent back out unchanged. Measure the next iteration.
             self.auto_fraction_at = self._iterations_done + 1
             return
-        timeline, stalls_ms = recorder.timeline()
         d2h, h2d = auto_fraction.bandwidth_of(self.streams.stats)
         first = self.auto_choice  # None in the first calibration iteration
-        total = self.state_bytes + sum(off.kept_bytes for off in self.offloaders)
-        # The second calibration keeps the first one's memory bound (`refine`): no room needed.
-        room = self._memory_room() if first is None else math.inf
-        choice = auto_fraction.choose(timeline, total, d2h, h2d, room, stalls_ms=stalls_ms)
-        if first is not None:
-            choice = auto_fraction.refine(first, choice)
+        if recorder is None:
+            # Nothing measured here (no training forward began the iteration on this rank): it
+            # does not bound the others' free share and takes the share they agree on.
+            choice = auto_fraction.Choice(1.0, 1.0, 0.0, 0.0, 0.0, d2h, h2d, free_upper=1.0,
+                                          calibrations=first.calibrations + 1 if first else 1)
+        else:
+            timeline, stalls_ms = recorder.timeline()
+            total = self.state_bytes + sum(off.kept_bytes for off in self.offloaders)
+            # The second calibration keeps the first one's memory bound (`refine`): no room needed.
+            room = self._memory_room() if first is None else math.inf
+            choice = auto_fraction.choose(timeline, total, d2h, h2d, room, stalls_ms=stalls_ms)
+            if first is not None:
+                choice = auto_fraction.refine(first, choice)
         if self._smallest_in_group is not None:
-            # Every rank of the group gets here in the same iteration: a step is skipped on all
-            # ranks or on none (Megatron reduces inf/nan and the grad norm across them).
             choice = auto_fraction.agree(choice, self._smallest_in_group)
         self.auto_choice = choice
         self.auto_fraction_at = None
-        if first is None:
-            second = auto_fraction.needs_second_calibration(choice)
-            if self._smallest_in_group is not None:
-                # A collective in the next calibration: the group takes it if any rank needs it
-                # (the maximum, as minus the minimum of the negated flags).
-                second = -self._smallest_in_group(-float(second)) > 0
-            if second:
-                self.auto_fraction_at = self._iterations_done + 1
+        # Whether to calibrate once more: the job does if any rank needs it.
+        if first is None and self._any_in_group(auto_fraction.needs_second_calibration(choice)):
+            self.auto_fraction_at = self._iterations_done + 1
         self._trace(f"auto_fraction:{choice.fraction:.2f}")
         self._announce_fn(choice.describe())
         # (Also 1.0 after a first choice below it: the second calibration's choice is applied.)

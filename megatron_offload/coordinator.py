@@ -360,7 +360,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self._step_level:
             self._last_step_level, self._step_level = self._step_level, 0
         self._iterations_done += 1
-        if self._recorder is not None:
+        if self.auto_fraction_at == self._iterations_done:  # (the calibration iteration, on every rank)
             self._mark("step_end")
             self._choose_fraction()  # (may re-pack: the copy-out below then sends the new chunks)
         if self.feeder is not None and self._copy_out_due:

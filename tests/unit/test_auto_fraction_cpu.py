@@ -197,7 +197,7 @@ def test_the_group_agrees_on_its_smallest_free_fraction_but_memory_stays_per_ran
     assert auto_fraction.agree(tight, lambda x: x / 2).fraction == pytest.approx(0.9)
 
 
-def test_coordinator_asks_the_group_once_for_the_fraction_and_once_whether_to_calibrate_again(monkeypatch):
+def test_coordinator_asks_the_job_whether_it_skipped_then_the_fraction_then_whether_to_calibrate_again(monkeypatch):
     monkeypatch.setattr(auto_fraction, "choose",
                         lambda *a, **k: auto_fraction.Choice(0.6, 0.6, 0.0, 1.0, 0.0, 55, 55))
     asked = []
@@ -209,7 +209,9 @@ def test_coordinator_asks_the_group_once_for_the_fraction_and_once_whether_to_ca
     off = coord.add_optimizer(opt)
     for step in range(4):
         _iteration(opt, coord, step)
-    assert asked == [0.6, -0.0]  # the choice's free_upper is unset: no rank needs a second one
+    # Skipped anywhere? (no); the free share; a second calibration? (the choice's free_upper is
+    # unset: no rank needs one).
+    assert asked == [-0.0, 0.6, -0.0]
     assert coord.auto_choice.fraction == 0.3 and off.fraction == 0.3
 
 
@@ -320,12 +322,13 @@ def test_the_group_takes_the_second_calibration_if_any_rank_needs_it(monkeypatch
     settled = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.4)
     asked = []
 
-    def group(x):  # this rank needs no second calibration; a neighbour does
+    def group(x):  # this rank needs no second calibration; a neighbour does (the third question)
         asked.append(x)
-        return -1.0 if x == -0.0 else x
+        return -1.0 if len(asked) == 3 else x
 
     coord, off, calls = _auto_run(monkeypatch, [settled, settled], steps=5, group=group)
-    assert len(calls) == 2 and asked == [0.4, -0.0, 0.4]
+    # First calibration: skipped?, free share, second?; the second one: skipped?, free share.
+    assert len(calls) == 2 and asked == [-0.0, 0.4, -0.0, -0.0, 0.4]
     assert coord.auto_choice.calibrations == 2 and coord.auto_choice.fraction == 0.4
 
 
@@ -345,8 +348,8 @@ def test_a_rank_with_nothing_offloaded_still_takes_part_in_both_agreements(monke
         _iteration(opt, coord, step)
         if step == 2:  # the first calibration: 0.01 is less than this rank's first tensor
             assert coord.state_bytes == 0 and off.kept and not off.chunks
-            assert len(calls) == 2, calls  # the free share, and whether to calibrate again
-    assert len(calls) == 3, calls  # the second calibration's free share
+            assert len(calls) == 3, calls  # skipped?, the free share, whether to calibrate again
+    assert len(calls) == 5, calls  # the second calibration's skipped? and free share
     assert coord.auto_choice.calibrations == 2
 
 
@@ -372,3 +375,59 @@ def test_a_choice_for_a_rank_without_state_needs_no_memory_bound():
     r1 = planner.PRESETS["r1"]
     timeline = marks_of([s for s in r1.segments if s.kind != "step"])
     assert auto_fraction.choose(timeline, 0, 55.0, 55.0, room_bytes=GiB).fraction == 1.0
+
+
+def test_a_rank_without_state_learns_of_a_skipped_step_from_the_job():
+    """A rank with no offloader (or stubs only) cannot see a skipped step; the job tells it, and
+    it makes the same single collective as the ranks that skipped, then measures again."""
+    asked = []
+    opt = FakeDistOpt()  # trains, but no offloader of this rank holds its state
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                             expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
+                             memory_room=lambda: math.inf,
+                             smallest_in_group=lambda x: asked.append(x) or -1.0)  # "a rank skipped"
+    _iteration(opt, coord, 0)
+    _iteration(opt, coord, 1)
+    assert asked == [-0.0] and coord.auto_fraction_at == 3 and coord.auto_choice is None
+
+
+def _all_kept_then(monkeypatch, second):
+    """A coordinator whose first choice (0.01) keeps this optimizer's whole state (its first
+    tensor is larger than 1 %), and whose second choice is `second`."""
+    answers = iter([auto_fraction.Choice(0.01, 0.01, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0), second])
+    monkeypatch.setattr(auto_fraction, "choose", lambda *a, **k: next(answers))
+    ref, opt = FakeDistOpt(fp32_numels=(), bf16_numels=(4096, 300, 1000, 64)), \
+        FakeDistOpt(fp32_numels=(), bf16_numels=(4096, 300, 1000, 64))
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                             expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
+                             memory_room=lambda: math.inf)
+    off = coord.add_optimizer(opt)
+    for step in range(3):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        _iteration(opt, coord, step)
+    assert off.kept and not off.chunks and coord.auto_fraction_at == 4
+    return ref, opt, coord, off
+
+
+def test_a_skipped_step_counts_on_a_rank_whose_state_is_all_kept(monkeypatch):
+    ref, opt, coord, off = _all_kept_then(monkeypatch, auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
+    for microbatch in range(2):  # the second calibration's iteration, its step skipped
+        coord.forward_begin(True)
+        coord.forward_end()
+        coord.backward_begin()
+        coord.backward_end()
+    coord.grads_finalizing()
+    coord.optimizer_step_begin()
+    coord.optimizer_step_done()
+    assert coord.auto_fraction_at == 5 and coord.auto_choice.calibrations == 1  # measured next time
+
+
+def test_a_second_choice_of_everything_after_all_was_kept_offloads_everything(monkeypatch):
+    ref, opt, coord, off = _all_kept_then(monkeypatch, auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
+    for step in range(3, 5):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        _iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    assert coord.auto_choice.calibrations == 2 and off.kept == [] and off.kept_chunks == [] and off.chunks
