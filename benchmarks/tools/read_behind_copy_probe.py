@@ -24,6 +24,10 @@ Modes:
   fed       a host thread enqueues the pieces, at most --depth in flight (it waits on the oldest
             piece's event, with the GIL released, before enqueuing the next);
   deferred  one copy enqueued after the read (what the plugin does now: copy-out at the next forward).
+  fed-polled   fed, the thread polling the oldest piece's event (sleeping between polls) instead of
+               blocking in its synchronize: does a blocked CUDA call in the thread hold the read up?
+  fed-pinread  fed, the read copied into pinned host memory (non-blocking, then its event) instead of
+               `.item()`'s pageable copy: is it the pageable copy's path that waits?
 
 Run once per CUDA_DEVICE_MAX_CONNECTIONS setting that matters (Megatron's scripts set 1).
 """
@@ -39,7 +43,7 @@ import time
 import torch
 
 
-def feed(pieces, depth, stream, device, started):
+def feed(pieces, depth, stream, device, started, polled=False):
     """Enqueue `pieces` ((dst, src) pairs) on `stream`, at most `depth` in flight."""
     torch.cuda.set_device(device)
     inflight = collections.deque()
@@ -47,14 +51,19 @@ def feed(pieces, depth, stream, device, started):
         started.set()
         for dst, src in pieces:
             while len(inflight) >= depth:
-                inflight.popleft().synchronize()  # (releases the GIL while it waits)
+                oldest = inflight.popleft()
+                if polled:
+                    while not oldest.query():
+                        time.sleep(0.0002)
+                else:
+                    oldest.synchronize()  # (releases the GIL while it waits)
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
             inflight.append(ev)
 
 
-def trial(mode, src, dst, a, b, matmuls, piece, depth, compute, side):
+def trial(mode, src, dst, a, b, matmuls, piece, depth, compute, side, scalar):
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     thread = None
@@ -63,7 +72,8 @@ def trial(mode, src, dst, a, b, matmuls, piece, depth, compute, side):
     (a.mul_(1.0)).sum()  # the "step"
     step.record(compute)
     pieces = [(dst[i:i + piece], src[i:i + piece]) for i in range(0, src.numel(), piece)]
-    if mode in ("bulk", "pieces", "fed"):
+    fed = mode.startswith("fed")
+    if mode in ("bulk", "pieces") or fed:
         side.wait_event(step)
         begin.record(side)
         if mode == "bulk":
@@ -75,7 +85,8 @@ def trial(mode, src, dst, a, b, matmuls, piece, depth, compute, side):
                     d.copy_(s, non_blocking=True)
         else:
             started = threading.Event()
-            thread = threading.Thread(target=feed, args=(pieces, depth, side, src.device, started))
+            thread = threading.Thread(target=feed, args=(pieces, depth, side, src.device, started,
+                                                         mode == "fed-polled"))
             thread.start()
             started.wait()
     out = a
@@ -83,7 +94,14 @@ def trial(mode, src, dst, a, b, matmuls, piece, depth, compute, side):
         out = torch.matmul(a, b)
     flag = out.float().sum()
     launch_ms = (time.perf_counter() - t0) * 1e3  # host time to enqueue it all (a feeder taking the GIL shows here)
-    value = flag.item()  # the read
+    if mode == "fed-pinread":
+        scalar.copy_(flag, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(compute)
+        done.synchronize()
+        value = scalar.item()
+    else:
+        value = flag.item()  # the read
     read_ms = (time.perf_counter() - t0) * 1e3
     if mode == "deferred":
         side.wait_event(step)
@@ -130,9 +148,11 @@ def main():
     piece = opts.piece_mib * 2**20
     results = {"connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset"), "gib": opts.gib,
                "piece_mib": opts.piece_mib, "depth": opts.depth, "matmuls": matmuls, "matmul_ms": per, "modes": {}}
-    for mode in ("none", "bulk", "pieces", "fed", "deferred"):
-        trial(mode, src, dst, a, b, matmuls, piece, opts.depth, compute, side)  # warm-up
-        runs = [trial(mode, src, dst, a, b, matmuls, piece, opts.depth, compute, side) for _ in range(opts.repeat)]
+    scalar = torch.empty((), dtype=torch.float32, pin_memory=True)
+    for mode in ("none", "bulk", "pieces", "fed", "deferred", "fed-polled", "fed-pinread"):
+        args = (src, dst, a, b, matmuls, piece, opts.depth, compute, side, scalar)
+        trial(mode, *args)  # warm-up
+        runs = [trial(mode, *args) for _ in range(opts.repeat)]
         read = statistics.median(r[0] for r in runs)
         copy = statistics.median(r[1] for r in runs)
         launch = statistics.median(r[2] for r in runs)
