@@ -72,7 +72,9 @@ def test_copy_waits_are_removed_from_the_timeline():
     assert [a for _, _, a in timeline] == [0, 0, 50, 50, 0, 0, 0]
 
 
-def _iteration(opt, coord, step, microbatches=2, layers=3):
+def _iteration(opt, coord, step, microbatches=2, layers=3, skip=False):
+    """One training iteration through the coordinator's hooks; `skip`: its step is skipped (as
+    with inf/nan grads: the optimizer does not step)."""
     for _ in range(microbatches):
         coord.forward_begin(True)
         for _ in range(layers):
@@ -83,9 +85,10 @@ def _iteration(opt, coord, step, microbatches=2, layers=3):
             coord.layer_backward_begin()
         coord.backward_end()
     coord.grads_finalizing()
-    make_grads(opt.all_params(), step)
     coord.optimizer_step_begin()
-    opt.step()
+    if not skip:
+        make_grads(opt.all_params(), step)
+        opt.step()
     coord.optimizer_step_done()
 
 
@@ -137,14 +140,7 @@ def test_calibration_moves_to_the_next_iteration_after_a_skipped_step(monkeypatc
                                memory_room=lambda: math.inf)
     coord.add_optimizer(opt)
     _iteration(opt, coord, 0, microbatches=1)  # creates the state
-    # Iteration 2 skips its step (as with inf/nan grads): nothing to measure a step by.
-    coord.forward_begin(True)
-    coord.forward_end()
-    coord.backward_begin()
-    coord.backward_end()
-    coord.grads_finalizing()
-    coord.optimizer_step_begin()
-    coord.optimizer_step_done()
+    _iteration(opt, coord, 1, microbatches=1, skip=True)  # nothing to measure a step by
     assert not calls and coord.auto_fraction_at == 3
     _iteration(opt, coord, 2, microbatches=1)
     assert calls == [1] and coord.auto_choice.fraction == 1.0 and coord.auto_fraction_at is None
@@ -278,8 +274,10 @@ def test_the_second_calibration_is_taken_as_measured_within_the_first_ones_bound
     assert auto_fraction.refine(first, second(0.2)).fraction == 0.38
 
 
-def _auto_run(monkeypatch, choices, steps, group=None):
-    """A coordinator whose calibrations return `choices` in turn; returns (coord, off, choose calls)."""
+def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt):
+    """A coordinator whose calibrations return `choices` in turn, run `steps` iterations (state
+    bit-identical to a reference optimizer's after each); returns (coord, off, choose calls, ref,
+    opt) for tests that go on."""
     calls = []
 
     def fake_choose(timeline, state_bytes, d2h, h2d, room, **kw):
@@ -287,7 +285,7 @@ def _auto_run(monkeypatch, choices, steps, group=None):
         return choices[len(calls) - 1]
 
     monkeypatch.setattr(auto_fraction, "choose", fake_choose)
-    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref, opt = make_opt(), make_opt()
     coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
                                memory_room=lambda: 777.0, smallest_in_group=group)
@@ -297,13 +295,13 @@ def _auto_run(monkeypatch, choices, steps, group=None):
         ref.step()
         _iteration(opt, coord, step)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
-    return coord, off, calls
+    return coord, off, calls, ref, opt
 
 
 def test_coordinator_calibrates_again_at_the_first_choice_and_repacks_only_on_a_change(monkeypatch):
     first = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.6)
     again = auto_fraction.Choice(0.3, 0.3, 0.0, 1.0, 0.0, 55, 55, free_upper=0.5)
-    coord, off, calls = _auto_run(monkeypatch, [first, again], steps=5)
+    coord, off, calls, _, _ = _auto_run(monkeypatch, [first, again], steps=5)
     assert len(calls) == 2  # iterations 2 and 3
     assert calls[0]["room"] == 777.0 and calls[1]["room"] == math.inf
     # Both calibrations plan for the whole state, resident part included.
@@ -313,7 +311,7 @@ def test_coordinator_calibrates_again_at_the_first_choice_and_repacks_only_on_a_
     assert off.state_bytes <= 0.5 * (off.state_bytes + off.kept_bytes)
     # The same fraction again: no second re-pack.
     same = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.405)
-    coord, off, calls = _auto_run(monkeypatch, [first, same], steps=5)
+    coord, off, calls, _, _ = _auto_run(monkeypatch, [first, same], steps=5)
     assert len(calls) == 2 and coord.auto_choice.fraction == 0.4
     assert coord.events.count("auto_fraction:0.40") == 2
 
@@ -326,7 +324,7 @@ def test_the_group_takes_the_second_calibration_if_any_rank_needs_it(monkeypatch
         asked.append(x)
         return -1.0 if len(asked) == 3 else x
 
-    coord, off, calls = _auto_run(monkeypatch, [settled, settled], steps=5, group=group)
+    coord, off, calls, _, _ = _auto_run(monkeypatch, [settled, settled], steps=5, group=group)
     # First calibration: skipped?, free share, second?; the second one: skipped?, free share.
     assert len(calls) == 2 and asked == [-0.0, 0.4, -0.0, -0.0, 0.4]
     assert coord.auto_choice.calibrations == 2 and coord.auto_choice.fraction == 0.4
@@ -354,19 +352,9 @@ def test_a_rank_with_nothing_offloaded_still_takes_part_in_both_agreements(monke
 
 
 def test_a_second_calibration_that_chooses_everything_offloads_everything(monkeypatch):
-    answers = iter([auto_fraction.Choice(0.5, 0.5, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0),
-                    auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0)])
-    monkeypatch.setattr(auto_fraction, "choose", lambda *a, **k: next(answers))
-    ref, opt = FakeDistOpt(), FakeDistOpt()
-    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
-                             expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
-                             memory_room=lambda: math.inf)
-    off = coord.add_optimizer(opt)
-    for step in range(5):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        _iteration(opt, coord, step)
-        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    choices = [auto_fraction.Choice(0.5, 0.5, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0),
+               auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0)]
+    coord, off, _, _, _ = _auto_run(monkeypatch, choices, steps=4)
     assert coord.auto_choice.calibrations == 2 and coord.auto_choice.fraction == 1.0
     assert off.kept_bytes == 0 and coord.state_fraction == 1.0 and not off.kept_chunks
 
@@ -394,38 +382,22 @@ def test_a_rank_without_state_learns_of_a_skipped_step_from_the_job():
 def _all_kept_then(monkeypatch, second):
     """A coordinator whose first choice (0.01) keeps this optimizer's whole state (its first
     tensor is larger than 1 %), and whose second choice is `second`."""
-    answers = iter([auto_fraction.Choice(0.01, 0.01, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0), second])
-    monkeypatch.setattr(auto_fraction, "choose", lambda *a, **k: next(answers))
-    ref, opt = FakeDistOpt(fp32_numels=(), bf16_numels=(4096, 300, 1000, 64)), \
-        FakeDistOpt(fp32_numels=(), bf16_numels=(4096, 300, 1000, 64))
-    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
-                             expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
-                             memory_room=lambda: math.inf)
-    off = coord.add_optimizer(opt)
-    for step in range(3):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        _iteration(opt, coord, step)
-    assert off.kept and not off.chunks and coord.auto_fraction_at == 4
+    first = auto_fraction.Choice(0.01, 0.01, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0)
+    coord, off, _, ref, opt = _auto_run(monkeypatch, [first, second], steps=2,
+                                        make_opt=lambda: FakeDistOpt(fp32_numels=(), bf16_numels=(4096, 300, 1000, 64)))
+    assert off.kept and not off.chunks and coord.auto_fraction_at == 3
     return ref, opt, coord, off
 
 
 def test_a_skipped_step_counts_on_a_rank_whose_state_is_all_kept(monkeypatch):
     ref, opt, coord, off = _all_kept_then(monkeypatch, auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
-    for microbatch in range(2):  # the second calibration's iteration, its step skipped
-        coord.forward_begin(True)
-        coord.forward_end()
-        coord.backward_begin()
-        coord.backward_end()
-    coord.grads_finalizing()
-    coord.optimizer_step_begin()
-    coord.optimizer_step_done()
-    assert coord.auto_fraction_at == 5 and coord.auto_choice.calibrations == 1  # measured next time
+    _iteration(opt, coord, 2, skip=True)  # the second calibration's iteration
+    assert coord.auto_fraction_at == 4 and coord.auto_choice.calibrations == 1  # measured next time
 
 
 def test_a_second_choice_of_everything_after_all_was_kept_offloads_everything(monkeypatch):
     ref, opt, coord, off = _all_kept_then(monkeypatch, auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
-    for step in range(3, 5):
+    for step in range(2, 4):
         make_grads(ref.all_params(), step)
         ref.step()
         _iteration(opt, coord, step)
