@@ -155,7 +155,7 @@ class Packing:
         alive)."""
         units = _units(self.kept, self.by_parameter)
         chunk_bytes = self._chunk_bytes_for(sum(_unit_bytes(unit) for unit in units))
-        layouts = _first_fit(units, chunk_bytes) if units else []
+        layouts = _first_fit(units, chunk_bytes)
         self.kept_chunks = [Chunk(-1 - i, tensors, offsets, nbytes)
                             for i, (tensors, offsets, nbytes) in enumerate(layouts)]
         for chunk in self.kept_chunks:
