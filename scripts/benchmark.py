@@ -95,6 +95,11 @@ VARIANTS = {
     "offload-fed": ["--offload-optimizer-states", "--offload-copy-out-in-flight-mb", "256"],
     "offload-chunked-fed": ["--offload-optimizer-states", "--offload-chunked-step", "--offload-copy-out-in-flight-mb",
                             "256"],
+    # The automatic fraction with the copy-out started at the step (fed), and with the streamed step.
+    "offload-auto-fed": ["--offload-optimizer-states", "--offload-state-fraction", "auto",
+                         "--offload-copy-out-in-flight-mb", "256"],
+    "offload-auto-chunked-fed": ["--offload-optimizer-states", "--offload-state-fraction", "auto",
+                                 "--offload-chunked-step", "--offload-copy-out-in-flight-mb", "256"],
     "recompute": RECOMPUTE,
     "recompute+offload": RECOMPUTE + ["--offload-optimizer-states"],
     # The alternatives users pick today (issue 3):
