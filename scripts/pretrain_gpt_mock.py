@@ -303,6 +303,21 @@ def set_diagnostics_from_env():
         megatron_args.DIAGNOSTICS.update(chosen)
 
 
+
+def _raw_tensors(t):
+    """The bytes behind a tensor, for digests. A tensor subclass (TE's Float8Tensor with
+    --fp8-param-gather) has no .numpy(): its inner tensors (`__tensor_flatten__`: the FP8 data and
+    its scale) are what training keeps, so they are hashed, in their declared order."""
+    t = t.detach()
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if inner is not None:
+                yield from _raw_tensors(inner)
+        return
+    yield t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+
 class Recorder:
     def __init__(self, out_dir):
         self.out_dir = out_dir
@@ -547,7 +562,8 @@ class Recorder:
                     for key, t in items:
                         if isinstance(t, torch.Tensor):
                             h = digests.setdefault(key, hashlib.sha256())
-                            h.update(t.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+                            for raw in _raw_tensors(t):
+                                h.update(raw)
             for key, h in digests.items():
                 out[f"opt{i}.{key}"] = h.hexdigest()
         return out
@@ -569,7 +585,8 @@ class Recorder:
             for chunk in self.model:
                 for name, p in chunk.named_parameters():
                     params.update(name.encode())
-                    params.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+                    for raw in _raw_tensors(p):
+                        params.update(raw)
 
             for dist_opt in distributed_optimizers(self.optimizer):
                 inner = dist_opt.optimizer
@@ -578,7 +595,8 @@ class Recorder:
                         tensors = [p] + [v for k, v in sorted(inner.state.get(p, {}).items())
                                          if isinstance(v, torch.Tensor)]
                         for t in tensors:
-                            state.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+                            for raw in _raw_tensors(t):
+                                state.update(raw)
         return params.hexdigest(), state.hexdigest()
 
     def adam_state_bytes(self):

@@ -231,3 +231,20 @@ def _drive(argv):
 
 if __name__ == "__main__":
     _drive(sys.argv[1:])
+
+
+def test_digest_reads_the_inner_tensors_of_a_tensor_subclass():
+    """TE's Float8Tensor params (--fp8-param-gather) have no .numpy(): the recorder's digest hashes
+    the inner tensors a traceable subclass declares (its data and scale), so two runs whose FP8
+    params differ in one byte of either get different digests."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    import pretrain_gpt_mock
+
+    a, b = torch.arange(4, dtype=torch.float32), torch.ones(4)
+    plain = list(pretrain_gpt_mock._raw_tensors(a))
+    assert plain == [a.numpy().tobytes()]
+    wrapped = list(pretrain_gpt_mock._raw_tensors(two_tensor.TwoTensor(a, b)))
+    assert wrapped == [a.numpy().tobytes(), b.numpy().tobytes()]
+    b2 = b.clone()
+    b2[3] = 2.0
+    assert list(pretrain_gpt_mock._raw_tensors(two_tensor.TwoTensor(a, b2))) != wrapped
