@@ -30,6 +30,14 @@ budget), and each stepped chunk streams out at once, during the rest of the step
 sharing `both_gbps`: what left during one step is already off the GPU when the next iteration
 starts (steady state: the iteration is simulated again from what the first pass sent out).
 
+The host's lead: a phase whose baseline duration `ms` is longer than the GPU's own time for it
+(`busy_ms`, measured with the GPU made to lag behind the host; None: the same) was bounded by the
+host launching its kernels, not by the GPU. While compute waits for a copy, the host keeps
+launching, so afterwards the GPU runs such phases at its own speed until it has caught up with
+the host: part of every wait is absorbed. The simulation keeps `behind`, how far the GPU lags the
+host's launches (in the baseline's time); the host launches at the baseline's pace and never
+waits. Without `busy_ms` nothing changes: every phase is as long as in the baseline.
+
 The predicted iteration time is the simulated length of that timeline: the least time any
 schedule can achieve under these rules (a real schedule adds its own overheads on top).
 """
@@ -51,6 +59,14 @@ class Segment:
     ms: float
     growth_start: float  # bytes above the iteration's base when the segment starts
     growth_end: float
+    # The GPU's own time for the phase when it lags the host (<= ms; None: ms, i.e. GPU-bound).
+    busy_ms: Optional[float] = None
+
+    @property
+    def speed(self) -> float:
+        """How much faster than in the baseline the GPU can run this phase while catching up."""
+        busy = self.ms if self.busy_ms is None else min(self.busy_ms, self.ms)
+        return self.ms / busy if busy > 0 else 1.0
 
 
 @dataclasses.dataclass
@@ -120,19 +136,23 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
     copied = freed = max(x - held, sent_before or 0.0) if chunked else 0.0
     reloaded = sent = 0.0
     t = stall_out = stall_in = 0.0
+    behind = 0.0  # how far the GPU lags the host's launches, in baseline milliseconds (module doc)
     for index, seg in enumerate(profile.segments):
-        done = 0.0  # compute milliseconds of this segment completed
+        done = 0.0  # baseline milliseconds of this segment completed
         rate = (seg.growth_end - seg.growth_start) / seg.ms if seg.ms else 0.0
+        speed = seg.speed
         if seg.kind == "step" and chunked:
             # The rest comes in during the step while stepped pieces go out: both at once.
             shared = min(profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps / 2)
             stream_ms = (x - reloaded) / (shared * mb_ms)
-            extra = max(0.0, stream_ms - seg.ms)
-            t += seg.ms + extra
-            stall_in += extra
+            compute_ms = max(seg.ms / speed, seg.ms - behind)
+            wall = max(compute_ms, stream_ms)
+            t += wall
+            stall_in += wall - compute_ms
+            behind = max(0.0, behind + wall - seg.ms)
             reloaded = x
             # (streamed: the pieces stepped go out behind the ones coming in)
-            sent = min(x, shared * mb_ms * (seg.ms + extra))
+            sent = min(x, shared * mb_ms * wall)
             continue
         if seg.kind == "step" and reloaded < x:
             # The Adam kernel needs the whole state back before it starts.
@@ -145,28 +165,44 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
                 reloaded += step_in
                 t += dt_ms
                 stall_in += dt_ms
-        while done < seg.ms - 1e-9:
-            step = min(dt_ms, seg.ms - done)
-            growth_now = seg.growth_start + rate * done
-            reload_window = index > last_forward and seg.kind != "step"
+                behind += dt_ms
+        reload_window = index > last_forward and seg.kind != "step"
+
+        def transfer(wall):
+            """Copies over `wall` milliseconds at the current growth."""
+            nonlocal copied, freed, reloaded
             both = copied < x and reload_window and reloaded < freed
             out_bw = min(profile.d2h_gbps, profile.both_gbps / 2 if both else profile.d2h_gbps)
             in_bw = min(profile.h2d_gbps, profile.both_gbps / 2 if both else profile.h2d_gbps)
             if copied < x:
-                copied = min(x, copied + out_bw * mb_ms * step)
+                copied = min(x, copied + out_bw * mb_ms * wall)
                 freed = copied
             if reload_window and reloaded < min(freed, held):
                 room = limit - growth_now + freed - reloaded
-                reloaded += min(in_bw * mb_ms * step, min(freed, held) - reloaded, max(0.0, room))
+                reloaded += min(in_bw * mb_ms * wall, min(freed, held) - reloaded, max(0.0, room))
+
+        while done < seg.ms - 1e-9:
+            # One tick: the GPU advances `adv` baseline milliseconds in `wall` milliseconds, at
+            # most `speed` times faster, never past what the host has launched (`behind` more).
+            remaining = seg.ms - done
+            adv = min(dt_ms * speed, dt_ms + behind, remaining)
+            wall = dt_ms if adv < remaining else max(adv / speed, adv - behind)
+            growth_now = seg.growth_start + rate * done
+            transfer(wall)
             # State off the GPU now: freed - reloaded. Compute may add growth only below the limit.
-            next_growth = seg.growth_start + rate * (done + step)
+            next_growth = seg.growth_start + rate * (done + adv)
             blocked = next_growth > growth_now and next_growth > limit + (freed - reloaded) + 1.0
             if blocked and copied < x:  # wait for the copy-out (1 byte absorbs float rounding)
-                t += step
-                stall_out += step
+                if wall < dt_ms and speed > 1.0:  # (a short tail tick: wait a whole tick)
+                    transfer(dt_ms - wall)
+                    wall = dt_ms
+                t += wall
+                stall_out += wall
+                behind += wall  # the host keeps launching
                 continue
-            done += step
-            t += step
+            done += adv
+            t += wall
+            behind += wall - adv
     if chunked:
         # Growth during the step: state never offloaded (S - x) + held + one piece's temporaries
         # over a base that holds all S; it must stay under the lowered peak.
@@ -243,7 +279,8 @@ PRESETS: Dict[str, Profile] = {
 
 
 def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0.0,
-                          d2h_gbps: float = 55.0, h2d_gbps: float = 55.0, both_gbps: float = 100.0) -> Profile:
+                          d2h_gbps: float = 55.0, h2d_gbps: float = 55.0, both_gbps: float = 100.0,
+                          busy_marks=None) -> Profile:
     """Build a Profile from marks taken during one iteration *without* offloading.
 
     marks: (label, t_ms, allocated_bytes) in time order, t_ms from CUDA events on the compute
@@ -251,20 +288,26 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
     "step_begin"/"step_end". Growth is allocated memory above the allocation at "iter_begin";
     the step's growth is `step_peak_growth` (its temporaries, from the allocator's peak). Time
     between the marked phases becomes "gap" segments at the growth they start from.
+    busy_marks: the same labels from an iteration whose GPU was made to lag the host first (the
+    recorder's MEGATRON_OFFLOAD_BUSY_AT): their durations are the phases' `busy_ms` (module doc);
+    ignored unless the labels match.
     """
     kinds = {"fwd": "forward", "bwd": "backward", "step": "step"}
     base = marks[0][2]
+    busy = [None] * len(marks)
+    if busy_marks and [m[0] for m in busy_marks] == [m[0] for m in marks]:
+        busy = [max(0.0, b[1] - a[1]) for a, b in zip(busy_marks, busy_marks[1:])] + [None]
     segments: List[Segment] = []
-    for (label, t, alloc), (next_label, next_t, next_alloc) in zip(marks, marks[1:]):
+    for k, ((label, t, alloc), (next_label, next_t, next_alloc)) in enumerate(zip(marks, marks[1:])):
         duration = max(0.0, next_t - t)
         phase = label.rsplit("_", 1)[0]
         if label.endswith("_begin") and phase in kinds and next_label == f"{phase}_end":
             if phase == "step":
-                segments.append(Segment("step", duration, step_peak_growth, step_peak_growth))
+                segments.append(Segment("step", duration, step_peak_growth, step_peak_growth, busy[k]))
             else:
-                segments.append(Segment(kinds[phase], duration, alloc - base, next_alloc - base))
+                segments.append(Segment(kinds[phase], duration, alloc - base, next_alloc - base, busy[k]))
         elif duration > 0:
-            segments.append(Segment("gap", duration, alloc - base, alloc - base))
+            segments.append(Segment("gap", duration, alloc - base, alloc - base, busy[k]))
     return Profile(segments, state_bytes, d2h_gbps, h2d_gbps, both_gbps)
 
 

@@ -177,6 +177,7 @@ def summarize(run, warmup):
         "losses": [it["loss"] for it in ranks[-1]["iterations"]],
         "timeline": ranks[0].get("timeline"),
         "timelines": ranks[0].get("timelines") or [],
+        "busy_timelines": ranks[0].get("busy_timelines") or [],
         "transfer": ranks[0].get("transfer"),
         "fit_checks": [r.get("fit_checks") for r in ranks],
         "fit_check_ms": [r.get("fit_check_ms") for r in ranks],
@@ -223,14 +224,17 @@ def reference(results, name):
 
 
 def baseline_phases(base):
-    """(marks, step peak growth, iterations marked) of the baseline for the planner: the per-phase median over its
-    marked iterations (one slow phase of one iteration on a noisy host no longer moves the floor:
-    R2's single marked iteration took 901 ms against a median of 850), else its one timeline."""
+    """(marks, step peak growth, iterations marked, busy marks) of the baseline for the planner: the
+    per-phase median over its marked iterations (one slow phase of one iteration on a noisy host no
+    longer moves the floor: R2's single marked iteration took 901 ms against a median of 850), else
+    its one timeline; busy marks: its iteration marked with the GPU lagging the host (the
+    recorder's MEGATRON_OFFLOAD_BUSY_AT; None in older records)."""
     from megatron_offload import planner
 
     timelines = base.get("timelines") or [base["timeline"]]
     marks = planner.median_marks([t["marks"] for t in timelines])
-    return marks, statistics.median(t["step_peak_growth"] for t in timelines), len(timelines)
+    busy = planner.median_marks([t["marks"] for t in base.get("busy_timelines") or []]) or None
+    return marks, statistics.median(t["step_peak_growth"] for t in timelines), len(timelines), busy
 
 
 def compare_with_planner(results, gbps, both_gbps=None, alone=None):
@@ -248,8 +252,9 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         base = reference(results, name)
         if not state or not base or not base.get("timeline"):
             continue
-        marks, step_growth, marked = baseline_phases(base)
-        prof = planner.profile_from_timeline(marks, state, step_growth, gbps, gbps, both_gbps or 2 * gbps)
+        marks, step_growth, marked, busy = baseline_phases(base)
+        prof = planner.profile_from_timeline(marks, state, step_growth, gbps, gbps, both_gbps or 2 * gbps,
+                                             busy_marks=busy)
         budget = (r.get("step_budget_gib") or [0])[0] * planner.GiB
 
         def floor(profile):
@@ -269,6 +274,14 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
             lone_pred = floor(lone)
             rows[name]["predicted_ratio_one_gpu_ceiling"] = lone_pred.ratio
             also = f" (with one GPU's ceilings {alone[0]:.1f} / both {lone.both_gbps:.1f} GB/s: {lone_pred.ratio:.3f}x)"
+        if any(g.busy_ms is not None for g in prof.segments):
+            # The floor as before the host's lead was modelled (every phase GPU-bound), for comparison.
+            bound = floor(dataclasses.replace(prof, segments=[dataclasses.replace(g, busy_ms=None)
+                                                              for g in prof.segments]))
+            rows[name]["predicted_ratio_without_lead"] = bound.ratio
+            also += (f" (the host's lead from the baseline's iteration {base['busy_timelines'][0]['iteration']}: "
+                     f"phases {sum(g.ms - g.ms / g.speed for g in prof.segments):.0f} ms shorter on the GPU; "
+                     f"without it {bound.ratio:.3f}x)")
         print(f"planner {name}: floor {pred.ratio:.3f}x of the baseline's phases (median of {marked} marked "
               f"iteration{'s' if marked > 1 else ''}) "
               f"({pred.iteration_ms:.0f} / {prof.iteration_ms:.0f} ms; {gbps:.1f} GB/s per direction, both "
@@ -423,6 +436,10 @@ def main(argv=None):
                 env.update(MODIFIERS[mod])
         iters = min(opts.iters, MAX_ITERS.get(variant, opts.iters))
         warmup = min(opts.warmup, iters // 2)
+        if variant == "baseline" and warmup >= 2:
+            # One warm-up iteration with the GPU lagging the host: the phases' GPU time (the
+            # planner's host-lead model); untimed, it only adds its GPU sleep to the run.
+            env.setdefault("MEGATRON_OFFLOAD_BUSY_AT", str(warmup))
         # Same --train-iters (hence the same LR schedule and losses); stop early with --exit-interval.
         stop = ["--exit-interval", str(iters)] if iters < opts.iters else []
         run = launch(name, base + variant_args(variant) + extra_args + stop, opts.nproc, opts.out, env_extra=env)

@@ -304,6 +304,21 @@ def set_diagnostics_from_env():
 
 
 
+_SLEEP_CYCLES_PER_MS = []
+
+
+def _gpu_sleep_ms(ms):
+    """Keep the current stream busy for about `ms` milliseconds (the clock rate measured once)."""
+    if not _SLEEP_CYCLES_PER_MS:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(10**7)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS.append(10**7 / max(begin.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(int(ms * _SLEEP_CYCLES_PER_MS[0]))
+
+
 def _raw_tensors(t):
     """The bytes behind a tensor, for digests. A tensor subclass (TE's Float8Tensor with
     --fp8-param-gather) has no .numpy(): its inner tensors (`__tensor_flatten__`: the FP8 data and
@@ -329,6 +344,7 @@ class Recorder:
         self.saves = []
         self._marks = None
         self.timelines = []  # one per marked iteration (MEGATRON_OFFLOAD_TIMELINE_AT)
+        self.busy_timelines = []  # the same, the GPU made to lag the host first (MEGATRON_OFFLOAD_BUSY_AT)
 
     def install(self):
         import megatron.training.training as training
@@ -341,6 +357,10 @@ class Recorder:
         state_at = os.environ.get("MEGATRON_OFFLOAD_STATE_DIGEST_AT")
         # Iterations whose phases are marked: "10" or "10,11,12".
         timeline_at = {int(x) for x in os.environ.get("MEGATRON_OFFLOAD_TIMELINE_AT", "").split(",") if x}
+        # Iterations marked after a GPU sleep long enough for the host to launch the forwards and
+        # backwards ahead of the GPU: their phase durations are the GPU's own (the planner's
+        # busy_ms; a phase that took longer in a normal iteration was bound by the host).
+        busy_at = {int(x) for x in os.environ.get("MEGATRON_OFFLOAD_BUSY_AT", "").split(",") if x}
         import megatron.core.pipeline_parallel.schedules as schedules
 
         def marked(fn, phase):
@@ -381,8 +401,11 @@ class Recorder:
                 optimizer.step = marker_step
                 optimizer._memhist_marked = True
             self._iteration = iteration
-            timeline = iteration in timeline_at
+            busy = iteration in busy_at
+            timeline = busy or iteration in timeline_at
             if timeline:
+                if busy and self.iterations:
+                    _gpu_sleep_ms(1.5 * self.iterations[-1]["ms"] + 50)
                 # Phase marks (CUDA events + allocated bytes) for the planner, one iteration.
                 self._marks = []
                 self.mark("iter_begin")
@@ -429,7 +452,7 @@ class Recorder:
                 optimizer.step = step
                 peaks = tuple(max(x, y) for x, y in zip(peaks, self._pre_step_peak))
                 first, base = self._marks[0][1], self._marks[0][2]
-                self.timelines.append({
+                (self.busy_timelines if busy else self.timelines).append({
                     "iteration": iteration,
                     "marks": [(label, first.elapsed_time(ev), alloc) for label, ev, alloc in self._marks],
                     "step_peak_growth": self._step_peak - base,
@@ -667,6 +690,7 @@ class Recorder:
                     "phase_bench": getattr(self, "phase_bench", None),
                     "timeline": self.timelines[0] if self.timelines else None,  # (the first; readers of old records)
                     "timelines": self.timelines,
+                    "busy_timelines": self.busy_timelines,
                     "adam_state_bytes": self.adam_state_bytes(),
                     # Which optimizer megatron-core chose (TE FusedAdam when TE is installed).
                     "inner_optimizers": [f"{type(d.optimizer).__module__}.{type(d.optimizer).__qualname__}"

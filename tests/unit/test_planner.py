@@ -1,5 +1,7 @@
 """The planner's floor computation against the brief's hand analysis of R1, R2 and R3."""
 
+import dataclasses
+
 import pytest
 
 from megatron_offload import planner
@@ -176,3 +178,73 @@ def test_the_streamed_step_sends_what_the_shared_link_carries_in_the_step():
     assert p.sent_in_step == pytest.approx(5 * GiB, rel=1e-6)
     assert p.stall_out_ms == pytest.approx(0, abs=0.05)
     assert predict(prof, 8 * GiB, dt_ms=0.01).iteration_ms >= p.iteration_ms  # (unchunked)
+
+
+def _host_bound_profile(busy):
+    # 1 GiB/ms each way. The forwards grow 2.5 GiB/ms (the copy-out cannot keep up) and, with
+    # `busy`, were launch-bound in the baseline: the GPU needs only `busy` of their 4 ms.
+    gbps = GiB / 1e6
+    segs = [Segment("forward", 4, 0, 10 * GiB, busy), Segment("backward", 10, 10 * GiB, 0),
+            Segment("forward", 4, 0, 10 * GiB, busy), Segment("backward", 10, 10 * GiB, 0),
+            Segment("step", 5, 0, 0)]
+    return Profile(segs, 8 * GiB, gbps, gbps, 2 * gbps)
+
+
+def test_a_wait_is_partly_absorbed_where_the_baseline_was_launch_bound():
+    """While compute waits for the copy-out (8 GiB at 1 GiB/ms: the first forward ends at 8 ms,
+    not 4), the host keeps launching; the GPU is then 4 ms behind, and runs the second forward,
+    launch-bound in the baseline, in its own 2 ms: 2 ms of the 4 ms wait are absorbed. Without
+    `busy_ms` (every phase GPU-bound) the whole wait stays."""
+    gpu_bound = predict(_host_bound_profile(None), 8 * GiB, dt_ms=0.01)
+    assert gpu_bound.iteration_ms == pytest.approx(37.0, abs=0.05)
+    assert gpu_bound.stall_out_ms == pytest.approx(4.0, abs=0.05)
+    lead = predict(_host_bound_profile(2.0), 8 * GiB, dt_ms=0.01)
+    assert lead.iteration_ms == pytest.approx(35.0, abs=0.05)
+    assert lead.baseline_ms == gpu_bound.baseline_ms == 33.0
+
+
+def test_without_a_wait_the_gpu_never_runs_ahead_of_the_host():
+    # busy_ms only matters after a wait: with nothing offloaded the baseline's timeline is the
+    # prediction, however fast the GPU could run the phases.
+    assert predict(_host_bound_profile(1.0), 0, dt_ms=0.01).iteration_ms == pytest.approx(33.0, abs=1e-6)
+    r1 = PRESETS["r1"]
+    x = r1.state_bytes
+    fast = Profile([dataclasses.replace(s, busy_ms=s.ms / 2) for s in r1.segments], x)
+    assert predict(fast, 0).ratio == pytest.approx(1.0)
+    assert predict(fast, x).iteration_ms < predict(r1, x).iteration_ms
+
+
+def test_the_benchmark_floor_takes_the_busy_iteration_of_the_baseline(capsys):
+    """scripts/benchmark.py: the baseline's iteration marked with the GPU lagging the host
+    (`busy_timelines`) gives the phases' busy_ms; the floor then counts the host's lead, and the
+    floor without it is printed beside it. Labels that differ from the marked iterations' are
+    ignored (a busy iteration of another schedule)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+    import benchmark
+
+    marks = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 81.0, 20 * GiB),
+             ("bwd_begin", 81.0, 20 * GiB), ("bwd_end", 171.0, 0), ("fwd_begin", 171.0, 0),
+             ("fwd_end", 251.0, 20 * GiB), ("bwd_begin", 251.0, 20 * GiB), ("bwd_end", 341.0, 0),
+             ("step_begin", 345.0, 0), ("step_end", 375.0, 0)]
+    fast = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 51.0, 20 * GiB),
+            ("bwd_begin", 51.0, 20 * GiB), ("bwd_end", 141.0, 0), ("fwd_begin", 141.0, 0),
+            ("fwd_end", 191.0, 20 * GiB), ("bwd_begin", 191.0, 20 * GiB), ("bwd_end", 281.0, 0),
+            ("step_begin", 285.0, 0), ("step_end", 315.0, 0)]
+    timeline = {"iteration": 10, "marks": marks, "step_peak_growth": 0}
+
+    def results(busy):
+        base = {"timeline": timeline, "timelines": [timeline], "busy_timelines": busy, "offloaded_gib": [0]}
+        return {"baseline": base, "offload": {"offloaded_gib": [8.0], "ratio": 1.2, "kept_gib": [0]}}
+
+    plain = benchmark.compare_with_planner(results([]), 55.0)["offload"]
+    lead = benchmark.compare_with_planner(results([{"iteration": 8, "marks": fast, "step_peak_growth": 0}]),
+                                          55.0)["offload"]
+    other = benchmark.compare_with_planner(results([{"iteration": 8, "marks": fast[:-2], "step_peak_growth": 0}]),
+                                           55.0)["offload"]
+    assert lead["predicted_ratio"] < plain["predicted_ratio"] == other["predicted_ratio"]
+    assert lead["predicted_ratio_without_lead"] == pytest.approx(plain["predicted_ratio"])
+    assert "predicted_ratio_without_lead" not in plain and "predicted_ratio_without_lead" not in other
+    assert "the host's lead from the baseline's iteration 8" in capsys.readouterr().out
