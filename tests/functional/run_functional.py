@@ -40,7 +40,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from megatron_runs import (  # noqa: E402
-    choose_script, launch, launch_expecting_failure, megatron_printed, model_args, printed_losses,
+    choose_script, launch, launch_expecting_failure, megatron_printed, model_args, printed_losses, replay,
     reserved_saving_check, run_losses as losses, run_peak, save_growth_checks)
 
 CASES = ("baseline,no_plugin,offload,offload_chunked,resume_offload,resume_plain,plain_to_offload,crash,"
@@ -169,6 +169,9 @@ def main(argv=None):
     p.add_argument("--script", default="auto", help="auto, mock, upstream, or a pretrain_gpt.py / Megatron-LM dir")
     p.add_argument("--extra", action="append", default=[],
                    help="extra Megatron args for every run (repeatable; each is split at spaces)")
+    p.add_argument("--from-records", action="store_true",
+                   help="launch nothing: the checks on the runs of --cases that finished in --out (a suite "
+                        "cut short by a time limit); runs that never finished are left out and said so")
     opts = p.parse_args(argv)
     os.makedirs(opts.out, exist_ok=True)
     script = choose_script(opts.script)
@@ -176,15 +179,22 @@ def main(argv=None):
     cases = opts.cases.split(",")
     # A case that loads another's checkpoint needs that case earlier in the same call (checkpoints
     # are removed at the start).
-    for name, source in LOADS_FROM.items():
+    for name, source in ({} if opts.from_records else LOADS_FROM).items():
         if name in cases and (source not in cases or cases.index(source) > cases.index(name)):
             raise SystemExit(f"--cases: {name} needs {source} before it (it loads that run's checkpoint)")
     half = opts.iters // 2
     # Megatron prints every iteration's loss: those printed values are compared too.
     base = model_args(opts.iters) + ["--deterministic-mode", "--log-interval", "1"] + " ".join(opts.extra).split()
     ck = lambda name: os.path.join(opts.out, f"ckpt_{name}")  # noqa: E731
-    for name in ("baseline", "offload", "offload_chunked", "crash"):
-        shutil.rmtree(ck(name), ignore_errors=True)
+    if opts.from_records:
+        finished = [n for n in cases if os.path.exists(os.path.join(opts.out, f"{n}.exit"))]
+        if finished != cases:
+            print(f"--from-records: no finished run of {[n for n in cases if n not in finished]} in {opts.out}; "
+                  "checked without them", flush=True)
+        cases = finished
+    else:
+        for name in ("baseline", "offload", "offload_chunked", "crash"):
+            shutil.rmtree(ck(name), ignore_errors=True)
 
     runs, checks, printed = {}, [], {}
 
@@ -214,15 +224,25 @@ def main(argv=None):
     }
     for name in cases:
         if name == "crash":
-            code, log, seconds = launch_expecting_failure(
-                "crash", base + save("crash") + offload, opts.nproc, opts.out, script=script, timeout=600,
-                env_extra={"MEGATRON_OFFLOAD_KILL_AT": str(half + 2)})
+            if opts.from_records:
+                code = int(open(os.path.join(opts.out, "crash.exit")).read() or 0)
+                log = open(os.path.join(opts.out, "crash.log")).read()
+            else:
+                code, log, seconds = launch_expecting_failure(
+                    "crash", base + save("crash") + offload, opts.nproc, opts.out, script=script, timeout=600,
+                    env_extra={"MEGATRON_OFFLOAD_KILL_AT": str(half + 2)})
             saved = os.path.isdir(os.path.join(ck("crash"), f"iter_{half:07d}"))
             check("crash: every rank killed mid-iteration after a save", code != 0 and "killing rank" in log and saved,
                   f"(exit {code}, {log.count('killing rank')} rank(s) killed, checkpoint at {half}: {saved})")
             continue
         env = {"MEGATRON_OFFLOAD_NO_PLUGIN": "1"} if name == "no_plugin" else None
-        runs[name] = launch(name, plan[name], opts.nproc, opts.out, script=script, env_extra=env)
+        if not opts.from_records:
+            runs[name] = launch(name, plan[name], opts.nproc, opts.out, script=script, env_extra=env)
+        elif open(os.path.join(opts.out, f"{name}.exit")).read().strip() != "0":
+            check(f"{name}: finished", False, f"(exit {open(os.path.join(opts.out, f'{name}.exit')).read().strip()})")
+            continue
+        else:
+            runs[name] = replay(name, opts.nproc, opts.out)
         printed[name] = printed_losses(open(os.path.join(opts.out, f"{name}.log")).read())
         print(f"{name}: {runs[name]['seconds']:.0f}s", flush=True)
         if "--async-save" in base and "--save" in plan[name]:
@@ -256,7 +276,7 @@ def main(argv=None):
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")
     with open(os.path.join(opts.out, "functional_summary.json"), "w") as f:
-        json.dump({"script": script, "extra": opts.extra, "checks": checks,
+        json.dump({"script": script, "extra": opts.extra, "from_records": opts.from_records, "checks": checks,
                    "cases": {n: {"seconds": r["seconds"], "peak_reserved": peak_reserved(r), "losses": losses(r),
                                  "printed_losses": printed.get(n), "host": r.get("host"),
                                  "saves": [rank.get("saves") for rank in r["ranks"]]}

@@ -124,3 +124,40 @@ def test_a_model_only_pair_passes_and_each_broken_part_fails(recorded):
     runs["model_only_offload"]["ranks"][0]["startup_peak"]["max_allocated"] += runs["offload"]["ranks"][0]["offloaded_bytes"]
     assert failed(runs, printed) == ["model_only_offload: losses identical to the same model-only load without offloading",
                                      "model_only_offload: rank 0 the load brought no optimizer state to the GPU"]
+
+
+def test_from_records_checks_the_runs_that_finished(tmp_path, capsys):
+    """`run_functional.py --from-records` (a suite cut short by a time limit): the recorded runs are
+    checked as if just run, a run that never finished is left out and named, one that failed is a
+    failure; nothing is launched."""
+    import run_functional
+
+    data = json.load(open(os.path.join(HERE, "data", "functional_records_h100x1.json")))["runs"]
+    for name, case in data.items():
+        if name == "resume_plain":  # cut by the time limit: a log, no exit code
+            (tmp_path / f"{name}.log").write_text("")
+            continue
+        os.makedirs(tmp_path / name)
+        for r, rank in enumerate(case["ranks"]):
+            (tmp_path / name / f"rank{r}.json").write_text(json.dumps(rank))
+        (tmp_path / f"{name}.exit").write_text("0")
+        (tmp_path / f"{name}.log").write_text("".join(
+            f" [2026-11-26] iteration {int(i):8d}/      30 | consumed samples: {i} | lm loss: {v} |\n"
+            for i, v in case["printed"].items()))
+    cases = ",".join(data)
+    argv = ["--out", str(tmp_path), "--nproc", str(NPROC), "--script", "mock", "--from-records", "--cases", cases]
+    assert run_functional.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no finished run of ['resume_plain']" in out
+    summary = json.load(open(tmp_path / "functional_summary.json"))
+    assert summary["from_records"] and len(summary["checks"]) >= 25
+    assert "resume_plain" not in summary["cases"] and "plain_to_offload" in summary["cases"]
+    # A run that exited non-zero fails; a broken record fails its comparison.
+    (tmp_path / "offload_chunked.exit").write_text("1")
+    rank = json.loads((tmp_path / "offload" / "rank0.json").read_text())
+    rank["params_sha256"] = "0" * 64
+    (tmp_path / "offload" / "rank0.json").write_text(json.dumps(rank))
+    assert run_functional.main(argv) == 1
+    failed = [what for what, ok, _ in json.load(open(tmp_path / "functional_summary.json"))["checks"] if not ok]
+    assert "offload_chunked: finished" in failed
+    assert "offload: rank 0 final params identical" in failed
