@@ -35,8 +35,10 @@ The host's lead: a phase whose baseline duration `ms` is longer than the GPU's o
 host launching its kernels, not by the GPU. While compute waits for a copy, the host keeps
 launching, so afterwards the GPU runs such phases at its own speed until it has caught up with
 the host: part of every wait is absorbed. The simulation keeps `behind`, how far the GPU lags the
-host's launches (in the baseline's time); the host launches at the baseline's pace and never
-waits. Without `busy_ms` nothing changes: every phase is as long as in the baseline.
+host's launches (in the baseline's time); the host launches at the baseline's pace and waits only
+at the optimizer step, whose host syncs (the gradient norm's `.item()`) end the lead. Without
+`busy_ms` nothing changes: every phase is as long as in the baseline. A wait the lead absorbs still
+counts in `stall_out_ms` / `stall_in_ms`: with busy times the stalls can exceed the slowdown.
 
 The predicted iteration time is the simulated length of that timeline: the least time any
 schedule can achieve under these rules (a real schedule adds its own overheads on top).
@@ -51,6 +53,9 @@ import statistics
 from typing import Dict, List, Optional
 
 GiB = 2**30
+# A phase is taken as launch-bound (its busy_ms used) only where the GPU needed less than this share
+# of its baseline duration: single iterations of one phase differ by up to ~6 % on a noisy host.
+HOST_BOUND_SHARE = 0.9
 
 
 @dataclasses.dataclass
@@ -64,9 +69,12 @@ class Segment:
 
     @property
     def speed(self) -> float:
-        """How much faster than in the baseline the GPU can run this phase while catching up."""
+        """How much faster than in the baseline the GPU can run this phase while catching up
+        (infinite for a phase of host time only)."""
         busy = self.ms if self.busy_ms is None else min(self.busy_ms, self.ms)
-        return self.ms / busy if busy > 0 else 1.0
+        if busy <= 0:
+            return float("inf") if self.ms > 0 else 1.0
+        return self.ms / busy
 
 
 @dataclasses.dataclass
@@ -146,10 +154,11 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
             shared = min(profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps / 2)
             stream_ms = (x - reloaded) / (shared * mb_ms)
             compute_ms = max(seg.ms / speed, seg.ms - behind)
-            wall = max(compute_ms, stream_ms)
+            extra = max(0.0, stream_ms - compute_ms)
+            wall = compute_ms + extra
             t += wall
-            stall_in += wall - compute_ms
-            behind = max(0.0, behind + wall - seg.ms)
+            stall_in += extra
+            behind = 0.0  # (the step's host syncs: module doc)
             reloaded = x
             # (streamed: the pieces stepped go out behind the ones coming in)
             sent = min(x, shared * mb_ms * wall)
@@ -203,6 +212,8 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
             done += adv
             t += wall
             behind += wall - adv
+        if seg.kind == "step":
+            behind = 0.0  # (the step's host syncs: module doc)
     if chunked:
         # Growth during the step: state never offloaded (S - x) + held + one piece's temporaries
         # over a base that holds all S; it must stay under the lowered peak.
@@ -289,14 +300,18 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
     the step's growth is `step_peak_growth` (its temporaries, from the allocator's peak). Time
     between the marked phases becomes "gap" segments at the growth they start from.
     busy_marks: the same labels from an iteration whose GPU was made to lag the host first (the
-    recorder's MEGATRON_OFFLOAD_BUSY_AT): their durations are the phases' `busy_ms` (module doc);
-    ignored unless the labels match.
+    recorder's MEGATRON_OFFLOAD_BUSY_AT): their durations are the phases' `busy_ms` (module doc)
+    where below HOST_BOUND_SHARE of the phase's own; ignored unless the labels match.
     """
     kinds = {"fwd": "forward", "bwd": "backward", "step": "step"}
     base = marks[0][2]
     busy = [None] * len(marks)
     if busy_marks and [m[0] for m in busy_marks] == [m[0] for m in marks]:
-        busy = [max(0.0, b[1] - a[1]) for a, b in zip(busy_marks, busy_marks[1:])] + [None]
+        # A phase counts as launch-bound only where the GPU's own time is clearly shorter: a
+        # single busy iteration against a median, so noise would otherwise only ever lower the floor.
+        busy = [b if b < HOST_BOUND_SHARE * (m2[1] - m1[1]) else None
+                for (m1, m2), b in zip(zip(marks, marks[1:]),
+                                       (max(0.0, y[1] - x[1]) for x, y in zip(busy_marks, busy_marks[1:])))] + [None]
     segments: List[Segment] = []
     for k, ((label, t, alloc), (next_label, next_t, next_alloc)) in enumerate(zip(marks, marks[1:])):
         duration = max(0.0, next_t - t)
@@ -335,11 +350,12 @@ def median_marks(timelines):
 
 def load_profile(path: str) -> Profile:
     """JSON: {"state_gib": .., "d2h_gbps": .., "h2d_gbps": .., "both_gbps": ..,
-    "segments": [{"kind": "forward", "ms": 60, "growth_start_gib": 0, "growth_end_gib": 22.7}, ...]}"""
+    "segments": [{"kind": "forward", "ms": 60, "growth_start_gib": 0, "growth_end_gib": 22.7}, ...]}; optional per segment:
+    "busy_ms", the GPU's own time for a launch-bound phase (module doc)"""
     with open(path) as f:
         raw = json.load(f)
-    segs = [Segment(s["kind"], float(s["ms"]), s["growth_start_gib"] * GiB, s["growth_end_gib"] * GiB)
-            for s in raw["segments"]]
+    segs = [Segment(s["kind"], float(s["ms"]), s["growth_start_gib"] * GiB, s["growth_end_gib"] * GiB,
+                    s.get("busy_ms")) for s in raw["segments"]]
     return Profile(segs, raw["state_gib"] * GiB, raw.get("d2h_gbps", 55.0), raw.get("h2d_gbps", 55.0),
                    raw.get("both_gbps", 100.0))
 

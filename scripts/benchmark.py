@@ -217,6 +217,14 @@ def planner_rates(ceilings, gbps=None, both_gbps=None, together=True):
     return gbps, both_gbps
 
 
+def busy_iteration(variant, warmup):
+    """The baseline's iteration marked with the GPU lagging the host (the phases' GPU time for the
+    planner's host-lead model): the last warm-up iteration (Megatron counts from 0; `summarize`
+    times iterations[warmup:]), so that its GPU sleep is never timed; None for other variants and
+    where no earlier iteration sizes the sleep."""
+    return warmup - 1 if variant == "baseline" and warmup >= 2 else None
+
+
 def reference(results, name):
     """The baseline run under the same environment modifiers as `name`, else the plain baseline."""
     mods = name.split("@")[1:]
@@ -436,10 +444,9 @@ def main(argv=None):
                 env.update(MODIFIERS[mod])
         iters = min(opts.iters, MAX_ITERS.get(variant, opts.iters))
         warmup = min(opts.warmup, iters // 2)
-        if variant == "baseline" and warmup >= 2:
-            # One warm-up iteration with the GPU lagging the host: the phases' GPU time (the
-            # planner's host-lead model); untimed, it only adds its GPU sleep to the run.
-            env.setdefault("MEGATRON_OFFLOAD_BUSY_AT", str(warmup))
+        busy_at = busy_iteration(variant, warmup)
+        if busy_at is not None:
+            env.setdefault("MEGATRON_OFFLOAD_BUSY_AT", str(busy_at))
         # Same --train-iters (hence the same LR schedule and losses); stop early with --exit-interval.
         stop = ["--exit-interval", str(iters)] if iters < opts.iters else []
         run = launch(name, base + variant_args(variant) + extra_args + stop, opts.nproc, opts.out, env_extra=env)

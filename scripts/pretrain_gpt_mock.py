@@ -321,17 +321,24 @@ def _gpu_sleep_ms(ms):
 
 def _raw_tensors(t):
     """The bytes behind a tensor, for digests. A tensor subclass (TE's Float8Tensor with
-    --fp8-param-gather) has no .numpy(): its inner tensors (`__tensor_flatten__`: the FP8 data and
-    its scale) are what training keeps, so they are hashed, in their declared order."""
+    --fp8-param-gather) has no .numpy(): its inner tensors are what training keeps (the FP8 data
+    and its scale), so they are hashed, in the order `__tensor_flatten__` declares them (else every
+    tensor attribute, by name). A cache the subclass marks stale (`<name>_invalid`, TE's transpose)
+    is left out: its bytes are not state."""
     t = t.detach()
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            inner = getattr(t, name)
-            if inner is not None:
-                yield from _raw_tensors(inner)
-        return
+    if type(t) is not torch.Tensor:
+        if hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+        else:
+            names = sorted(k for k, v in vars(t).items() if isinstance(v, torch.Tensor))
+        if names:
+            for name in names:
+                inner = getattr(t, name)
+                if inner is not None and not getattr(t, f"{name}_invalid", False):
+                    yield from _raw_tensors(inner)
+            return
     yield t.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+
 
 class Recorder:
     def __init__(self, out_dir):
@@ -401,11 +408,14 @@ class Recorder:
                 optimizer.step = marker_step
                 optimizer._memhist_marked = True
             self._iteration = iteration
-            busy = iteration in busy_at
+            # (Sleep 1.5 x the fastest iteration so far that slept for no such purpose: longer
+            # than the host needs to launch the forwards and backwards; none before the first.)
+            earlier = [it["ms"] for it in self.iterations if not it.get("busy")]
+            busy = iteration in busy_at and bool(earlier)
             timeline = busy or iteration in timeline_at
             if timeline:
-                if busy and self.iterations:
-                    _gpu_sleep_ms(1.5 * self.iterations[-1]["ms"] + 50)
+                if busy:
+                    _gpu_sleep_ms(1.5 * min(earlier) + 50)
                 # Phase marks (CUDA events + allocated bytes) for the planner, one iteration.
                 self._marks = []
                 self.mark("iter_begin")
@@ -470,6 +480,7 @@ class Recorder:
                     # allocator's retries (cache flushed, then allocated again) and device
                     # allocations / frees (mapping growth) during the iteration.
                     "gc_ms": _GC_CLOCK[0] - gc_before,
+                    "busy": busy,  # (its time includes the GPU sleep)
                     **{k: v - counters[k] for k, v in _allocator_counters().items()},
                 }
             )

@@ -248,3 +248,30 @@ def test_digest_reads_the_inner_tensors_of_a_tensor_subclass():
     b2 = b.clone()
     b2[3] = 2.0
     assert list(pretrain_gpt_mock._raw_tensors(two_tensor.TwoTensor(a, b2))) != wrapped
+
+
+def test_digest_of_a_subclass_without_flatten_skips_a_stale_cache():
+    """A quantized tensor that does not declare its inner tensors: every tensor attribute, by name;
+    a cache marked stale (`<name>_invalid`, as TE marks its FP8 transpose) is not state."""
+    import pretrain_gpt_mock
+
+    class Quantized(torch.Tensor):
+        @staticmethod
+        def __new__(cls, data, scale, transpose, stale):
+            t = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=torch.float32)
+            t._data, t._scale_inv, t._transpose, t._transpose_invalid = data, scale, transpose, stale
+            return t
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+        def detach(self):
+            return self
+
+    data, scale = torch.arange(4, dtype=torch.uint8), torch.tensor([0.5])
+    garbage = torch.full((4,), 7, dtype=torch.uint8)
+    got = list(pretrain_gpt_mock._raw_tensors(Quantized(data, scale, garbage, True)))
+    assert got == [data.numpy().tobytes(), scale.numpy().tobytes()]
+    fresh = list(pretrain_gpt_mock._raw_tensors(Quantized(data, scale, garbage, False)))
+    assert fresh == [data.numpy().tobytes(), scale.numpy().tobytes(), garbage.numpy().tobytes()]

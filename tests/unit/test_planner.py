@@ -248,3 +248,70 @@ def test_the_benchmark_floor_takes_the_busy_iteration_of_the_baseline(capsys):
     assert lead["predicted_ratio_without_lead"] == pytest.approx(plain["predicted_ratio"])
     assert "predicted_ratio_without_lead" not in plain and "predicted_ratio_without_lead" not in other
     assert "the host's lead from the baseline's iteration 8" in capsys.readouterr().out
+
+
+def test_without_busy_times_the_floors_are_the_ones_before_the_lead_was_modelled():
+    # Computed by the planner of c7b8dab (no host-lead model) on the presets, to the last bit.
+    r1, r2, r3 = PRESETS["r1"], PRESETS["r2"], PRESETS["r3"]
+    assert predict(r1, r1.state_bytes).iteration_ms == 773.6499999998439
+    assert predict(r2, r2.state_bytes, step_budget=1.5 * GiB, piece_growth=0.2 * GiB).iteration_ms == 950.8166333437865
+    assert predict(r1, r1.state_bytes, streamed=True).iteration_ms == 728.2999999999108
+    assert predict(r3, r3.state_bytes).iteration_ms == 645.3999999999573
+    assert free_bytes(r1) == 3486999995.6000004
+
+
+def test_the_chunked_step_runs_at_the_gpus_speed_while_it_catches_up():
+    """A launch-bound step (busy 2 of its 5 ms) right after a wait: the GPU runs it in its own 2 ms,
+    but never before the host has launched it (5 ms less the 4 ms the GPU lags): 2 ms, not 5."""
+    gbps = GiB / 1e6
+
+    def prof(step_busy):
+        return Profile([Segment("forward", 4, 0, 10 * GiB, 2.0), Segment("backward", 10, 10 * GiB, 0),
+                        Segment("step", 5, 0, 0, step_busy)], 8 * GiB, gbps, gbps, 20 * gbps)
+
+    budget = 8 * GiB  # the whole state back before the step: nothing streams in during it
+    plain = predict(prof(None), 8 * GiB, dt_ms=0.01, step_budget=budget)
+    fast = predict(prof(2.0), 8 * GiB, dt_ms=0.01, step_budget=budget)
+    assert plain.iteration_ms - fast.iteration_ms == pytest.approx(3.0, abs=0.05)
+    # A step of host time only (busy 0) costs what the host still has to launch of it: 1 ms.
+    assert predict(prof(0.0), 8 * GiB, dt_ms=0.01, step_budget=budget).iteration_ms == pytest.approx(
+        plain.iteration_ms - 4.0, abs=0.05)
+
+
+def test_a_phase_counts_as_launch_bound_only_when_clearly_shorter_on_the_gpu():
+    marks = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 81.0, 20 * GiB),
+             ("bwd_begin", 81.0, 20 * GiB), ("bwd_end", 171.0, 0), ("step_begin", 175.0, 0), ("step_end", 205.0, 0)]
+    busy = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 51.0, 20 * GiB),
+            ("bwd_begin", 51.0, 20 * GiB), ("bwd_end", 137.0, 0), ("step_begin", 141.0, 0), ("step_end", 171.0, 0)]
+    prof = planner.profile_from_timeline(marks, 6 * GiB, busy_marks=busy)
+    got = {s.kind: s.busy_ms for s in prof.segments}
+    # The forward 50 of 80 ms: launch-bound; the backward 86 of 90 ms: within a single iteration's noise.
+    assert got["forward"] == pytest.approx(50.0) and got["backward"] is None and got["step"] is None
+
+
+def test_the_benchmarks_busy_iteration_is_never_timed():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+    import benchmark
+
+    for warmup in (2, 6, 8):
+        at = benchmark.busy_iteration("baseline", warmup)
+        # Megatron's train_step iterations count from 0; summarize() times iterations[warmup:].
+        assert 1 <= at < warmup
+    assert benchmark.busy_iteration("offload", 8) is None and benchmark.busy_iteration("baseline", 1) is None
+
+
+def test_the_host_launches_the_step_while_compute_waits_for_the_reload():
+    # 2 GiB back at 0.1 GiB/ms take 20 ms, the last backward 10: the step waits ~10 ms for the
+    # reload, meanwhile the host launches it, and the GPU then runs it in its own 2 of 5 ms.
+    gbps = GiB / 1e6
+
+    def prof(step_busy):
+        return Profile([Segment("forward", 4, 0, 10 * GiB), Segment("backward", 10, 10 * GiB, 0),
+                        Segment("step", 5, 0, 0, step_busy)], 2 * GiB, gbps, 0.1 * gbps, 2 * gbps)
+
+    plain, fast = predict(prof(None), 2 * GiB, dt_ms=0.01), predict(prof(2.0), 2 * GiB, dt_ms=0.01)
+    assert plain.stall_in_ms == pytest.approx(10.0, abs=0.1) and plain.stall_out_ms == 0
+    assert plain.iteration_ms - fast.iteration_ms == pytest.approx(3.0, abs=0.05)
