@@ -115,16 +115,21 @@ VARIANT_ENV = {"native-offload": {"MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP": "1"}}
 
 def variant_args(variant):
     """Arguments of a variant: one of VARIANTS, or offload-chunk<MiB> / offload-frac<percent> /
-    offload-stepbudget<MiB>[-chunk<MiB>] / offload-chunked-chunk<MiB> (automatic budget)."""
+    offload-stepbudget<MiB>[-chunk<MiB>] / offload-chunked-chunk<MiB> (automatic budget) /
+    offload-fed<MiB> / offload-chunked-fed<MiB> (that much copy-out in flight instead of 256)."""
     if variant in VARIANTS:
         return VARIANTS[variant]
     m = re.fullmatch(r"offload-chunked-chunk(\d+)", variant)
     if m:
         return VARIANTS["offload-chunked"] + ["--offload-chunk-size-mb", m.group(1)]
+    m = re.fullmatch(r"(offload(?:-chunked)?-fed)(\d+)", variant)
+    if m:
+        return VARIANTS[m.group(1)][:-1] + [m.group(2)]
     m = re.fullmatch(r"offload-(chunk|frac|stepbudget)(\d+)(?:-chunk(\d+))?", variant)
     if not m or (m.group(3) and m.group(1) != "stepbudget"):
         raise SystemExit(f"unknown variant {variant!r}: one of {', '.join(VARIANTS)}, offload-chunk<MiB>, "
-                         "offload-frac<percent>, offload-stepbudget<MiB>[-chunk<MiB>], offload-chunked-chunk<MiB>")
+                         "offload-frac<percent>, offload-stepbudget<MiB>[-chunk<MiB>], offload-chunked-chunk<MiB>, "
+                         "offload-fed<MiB>, offload-chunked-fed<MiB>")
     if m.group(1) == "stepbudget":
         chunk = ["--offload-chunk-size-mb", m.group(3)] if m.group(3) else []
         return ["--offload-optimizer-states", "--offload-chunked-step", "--offload-step-budget-mb", m.group(2), *chunk]

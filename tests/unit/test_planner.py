@@ -315,3 +315,18 @@ def test_the_host_launches_the_step_while_compute_waits_for_the_reload():
     plain, fast = predict(prof(None), 2 * GiB, dt_ms=0.01), predict(prof(2.0), 2 * GiB, dt_ms=0.01)
     assert plain.stall_in_ms == pytest.approx(10.0, abs=0.1) and plain.stall_out_ms == 0
     assert plain.iteration_ms - fast.iteration_ms == pytest.approx(3.0, abs=0.05)
+
+
+def test_benchmark_variants_with_another_copy_out_in_flight():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+    import benchmark
+
+    fed = benchmark.variant_args("offload-chunked-fed1024")
+    assert fed == benchmark.variant_args("offload-chunked-fed")[:-1] + ["1024"] and "--offload-chunked-step" in fed
+    assert benchmark.variant_args("offload-fed512")[-2:] == ["--offload-copy-out-in-flight-mb", "512"]
+    assert "--offload-chunked-step" not in benchmark.variant_args("offload-fed512")
+    with pytest.raises(SystemExit):
+        benchmark.variant_args("offload-fedx")
