@@ -36,9 +36,12 @@ host launching its kernels, not by the GPU. While compute waits for a copy, the 
 launching, so afterwards the GPU runs such phases at its own speed until it has caught up with
 the host: part of every wait is absorbed. The simulation keeps `behind`, how far the GPU lags the
 host's launches (in the baseline's time); the host launches at the baseline's pace and waits only
-at the optimizer step, whose host syncs (the gradient norm's `.item()`) end the lead. Without
-`busy_ms` nothing changes: every phase is as long as in the baseline. A wait the lead absorbs still
-counts in `stall_out_ms` / `stall_in_ms`: with busy times the stalls can exceed the slowdown.
+at the start of the optimizer step, whose host sync (the gradient norm's `.item()`) ends the lead
+built before it; while the step then waits for the reload, the host launches the rest of it. The
+chunked step is bound by its own streams or its baseline time (its lead from earlier phases ended
+at that sync). Without `busy_ms` nothing changes: every phase is as long as in the baseline. A wait
+the lead absorbs still counts in `stall_out_ms` / `stall_in_ms`: with busy times the stalls can
+exceed the slowdown.
 
 The predicted iteration time is the simulated length of that timeline: the least time any
 schedule can achieve under these rules (a real schedule adds its own overheads on top).
@@ -149,16 +152,16 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
         done = 0.0  # baseline milliseconds of this segment completed
         rate = (seg.growth_end - seg.growth_start) / seg.ms if seg.ms else 0.0
         speed = seg.speed
+        if seg.kind == "step":
+            behind = 0.0  # (the step's host sync: module doc)
         if seg.kind == "step" and chunked:
             # The rest comes in during the step while stepped pieces go out: both at once.
             shared = min(profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps / 2)
             stream_ms = (x - reloaded) / (shared * mb_ms)
-            compute_ms = max(seg.ms / speed, seg.ms - behind)
-            extra = max(0.0, stream_ms - compute_ms)
-            wall = compute_ms + extra
+            extra = max(0.0, stream_ms - seg.ms)
+            wall = seg.ms + extra
             t += wall
             stall_in += extra
-            behind = 0.0  # (the step's host syncs: module doc)
             reloaded = x
             # (streamed: the pieces stepped go out behind the ones coming in)
             sent = min(x, shared * mb_ms * wall)
@@ -212,8 +215,6 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
             done += adv
             t += wall
             behind += wall - adv
-        if seg.kind == "step":
-            behind = 0.0  # (the step's host syncs: module doc)
     if chunked:
         # Growth during the step: state never offloaded (S - x) + held + one piece's temporaries
         # over a base that holds all S; it must stay under the lowered peak.

@@ -122,7 +122,7 @@ def variant_args(variant):
     m = re.fullmatch(r"offload-chunked-chunk(\d+)", variant)
     if m:
         return VARIANTS["offload-chunked"] + ["--offload-chunk-size-mb", m.group(1)]
-    m = re.fullmatch(r"(offload(?:-chunked)?-fed)(\d+)", variant)
+    m = re.fullmatch(r"(offload(?:-chunked)?-fed)([1-9]\d*)", variant)
     if m:
         return VARIANTS[m.group(1)][:-1] + [m.group(2)]
     m = re.fullmatch(r"offload-(chunk|frac|stepbudget)(\d+)(?:-chunk(\d+))?", variant)
@@ -422,6 +422,8 @@ def main(argv=None):
     env_extra.setdefault("MEGATRON_OFFLOAD_TIMELINE_AT",
                          opts.timeline_at if opts.timeline_at is not None else ",".join(map(str, marked)))
     os.makedirs(opts.out, exist_ok=True)
+    if os.path.exists(os.path.join(opts.out, "benchmark.json")):  # (an earlier call's must not pass for this one's)
+        os.remove(os.path.join(opts.out, "benchmark.json"))
     preset = dict(PRESETS[opts.preset], **({"gbs": opts.gbs} if opts.gbs else {}))
     base = model_args(opts.iters, **preset) + PRESET_ARGS.get(opts.preset, []) + " ".join(opts.extra).split()
     ceilings = None

@@ -178,6 +178,9 @@ def _run(name, cmd, env, out, timeout):
     """Run to <out>/<name>.log, record the exit code in <out>/<name>.exit and the node's host memory
     in <out>/<name>.host.json; (exit code, seconds)."""
     start = time.time()
+    # A run cut short leaves no exit code: none from an earlier run in the same folder may remain.
+    if os.path.exists(os.path.join(out, f"{name}.exit")):
+        os.remove(os.path.join(out, f"{name}.exit"))
     with open(os.path.join(out, f"{name}.log"), "w") as log, HostSampler() as sampler:
         proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=REPO)
     with open(os.path.join(out, f"{name}.exit"), "w") as f:

@@ -410,8 +410,8 @@ class Recorder:
             self._iteration = iteration
             # (Sleep 1.5 x the fastest iteration so far that slept for no such purpose: longer
             # than the host needs to launch the forwards and backwards; none before the first.)
-            earlier = [it["ms"] for it in self.iterations if not it.get("busy")]
-            busy = iteration in busy_at and bool(earlier)
+            earlier = [it["ms"] for it in self.iterations if not it.get("busy")] if iteration in busy_at else []
+            busy = bool(earlier)
             timeline = busy or iteration in timeline_at
             if timeline:
                 if busy:

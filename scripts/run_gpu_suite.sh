@@ -73,6 +73,7 @@ for stage in $STAGES; do
       for set in "${sets[@]}"; do
         name=${set%%=*}; args=${set#*=}
         echo "== functional set $name: $args"
+        rm -f "$WORK/$name/functional_summary.json"  # (an earlier call's must not pass for this one's)
         # shellcheck disable=SC2086  # ARGS is a list of options
         within_budget python3 tests/functional/run_functional.py --out "$WORK/$name" --nproc "$NPROC" \
           $args 2>&1 | tee "$OUT/$name.log" || status=1
@@ -90,12 +91,14 @@ for stage in $STAGES; do
         ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/matrix.log" || status=1
       cp "$WORK/matrix/matrix_summary.json" "$OUT/" 2>/dev/null ;;
     bench)
+      rm -f "$WORK/bench/benchmark.json"
       within_budget python3 scripts/benchmark.py --preset "${BENCH:-r1}" --nproc "$NPROC" --out "$WORK/bench" \
         ${BENCH_ARGS:-} 2>&1 | tee "$OUT/benchmark.log" || status=1
       cp "$WORK/bench/benchmark.json" "$OUT/" 2>/dev/null
       if grep -q '"partial": true' "$WORK/bench/benchmark.json" 2>/dev/null; then
         # Cut short (SUITE_BUDGET_S): the table and the planner's floors of the variants that finished.
-        python3 scripts/benchmark.py --replan "$WORK/bench/benchmark.json" 2>&1 | tee -a "$OUT/benchmark.log"
+        # shellcheck disable=SC2086  # (its --gbps / --both-gbps; the rest is parsed and ignored)
+        python3 scripts/benchmark.py ${BENCH_ARGS:-} --replan "$WORK/bench/benchmark.json" 2>&1 | tee -a "$OUT/benchmark.log"
       fi
       # Plots go into logs.tgz (the device returns at most 8 files from $OUT).
       python3 scripts/plot_benchmark.py "$WORK/bench/benchmark.json" --out-prefix "$WORK/bench/benchmark" \

@@ -186,21 +186,29 @@ def main(argv=None):
     # Megatron prints every iteration's loss: those printed values are compared too.
     base = model_args(opts.iters) + ["--deterministic-mode", "--log-interval", "1"] + " ".join(opts.extra).split()
     ck = lambda name: os.path.join(opts.out, f"ckpt_{name}")  # noqa: E731
+    unfinished = []
     if opts.from_records:
-        finished = [n for n in cases if os.path.exists(os.path.join(opts.out, f"{n}.exit"))]
-        if finished != cases:
-            print(f"--from-records: no finished run of {[n for n in cases if n not in finished]} in {opts.out}; "
-                  "checked without them", flush=True)
-        cases = finished
+        unfinished = [n for n in cases if not os.path.exists(os.path.join(opts.out, f"{n}.exit"))]
+        if unfinished:
+            print(f"--from-records: no finished run of {unfinished} in {opts.out}; checked without them", flush=True)
+        cases = [n for n in cases if n not in unfinished]
     else:
         for name in ("baseline", "offload", "offload_chunked", "crash"):
             shutil.rmtree(ck(name), ignore_errors=True)
+        # Nothing of an earlier call in this folder may pass for this one's (--from-records reads these).
+        for name in [*cases, "functional_summary.json"]:
+            path = os.path.join(opts.out, name if name.endswith(".json") else f"{name}.exit")
+            if os.path.exists(path):
+                os.remove(path)
 
     runs, checks, printed = {}, [], {}
 
     def check(what, ok, detail=""):
         checks.append((what, bool(ok), detail))
         print(f"[{'PASS' if ok else 'FAIL'}] {what} {detail}", flush=True)
+
+    for name in unfinished:
+        check(f"{name}: finished", False, "(cut short: no exit code in --out)")
 
     save = lambda name: ["--save", ck(name), "--save-interval", str(half)]  # noqa: E731
     resume = lambda name: ["--load", ck(name), "--ckpt-step", str(half)]  # noqa: E731
@@ -242,7 +250,11 @@ def main(argv=None):
             check(f"{name}: finished", False, f"(exit {open(os.path.join(opts.out, f'{name}.exit')).read().strip()})")
             continue
         else:
-            runs[name] = replay(name, opts.nproc, opts.out)
+            try:
+                runs[name] = replay(name, opts.nproc, opts.out)
+            except (OSError, ValueError) as err:  # (json.JSONDecodeError is a ValueError)
+                check(f"{name}: records readable", False, f"({err})")
+                continue
         printed[name] = printed_losses(open(os.path.join(opts.out, f"{name}.log")).read())
         print(f"{name}: {runs[name]['seconds']:.0f}s", flush=True)
         if "--async-save" in base and "--save" in plan[name]:

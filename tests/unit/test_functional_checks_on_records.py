@@ -146,12 +146,19 @@ def test_from_records_checks_the_runs_that_finished(tmp_path, capsys):
             for i, v in case["printed"].items()))
     cases = ",".join(data)
     argv = ["--out", str(tmp_path), "--nproc", str(NPROC), "--script", "mock", "--from-records", "--cases", cases]
-    assert run_functional.main(argv) == 0
+    assert run_functional.main(argv) == 1  # (the unfinished run fails)
     out = capsys.readouterr().out
     assert "no finished run of ['resume_plain']" in out
     summary = json.load(open(tmp_path / "functional_summary.json"))
     assert summary["from_records"] and len(summary["checks"]) >= 25
+    assert [what for what, ok, _ in summary["checks"] if not ok] == ["resume_plain: finished"]
     assert "resume_plain" not in summary["cases"] and "plain_to_offload" in summary["cases"]
+    # A record that cannot be read is a failure, not a crash of the re-check.
+    (tmp_path / "resume_offload" / "rank0.json").write_text("{")
+    assert run_functional.main(argv) == 1
+    failed = [what for what, ok, _ in json.load(open(tmp_path / "functional_summary.json"))["checks"] if not ok]
+    assert failed == ["resume_plain: finished", "resume_offload: records readable"]
+    (tmp_path / "resume_offload" / "rank0.json").write_text(json.dumps(data["resume_offload"]["ranks"][0]))
     # A run that exited non-zero fails; a broken record fails its comparison.
     (tmp_path / "offload_chunked.exit").write_text("1")
     rank = json.loads((tmp_path / "offload" / "rank0.json").read_text())
@@ -161,3 +168,32 @@ def test_from_records_checks_the_runs_that_finished(tmp_path, capsys):
     failed = [what for what, ok, _ in json.load(open(tmp_path / "functional_summary.json"))["checks"] if not ok]
     assert "offload_chunked: finished" in failed
     assert "offload: rank 0 final params identical" in failed
+
+
+def test_a_new_call_removes_what_an_earlier_one_left(tmp_path):
+    """Exit codes and a summary of an earlier call in the same folder must not pass for this call's
+    (--from-records reads them): a run cut short leaves none, and the runner removes the old ones
+    before it launches anything."""
+    import megatron_runs
+    import run_functional
+
+    for name in ("baseline", "offload"):
+        (tmp_path / f"{name}.exit").write_text("0")
+    (tmp_path / "functional_summary.json").write_text("{}")
+
+    def cut_short(name, *a, **k):
+        assert not (tmp_path / f"{name}.exit").exists() and not (tmp_path / "functional_summary.json").exists()
+        raise KeyboardInterrupt  # (what the suite's time limit does to the runner)
+
+    run_functional.launch, saved = cut_short, run_functional.launch
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_functional.main(["--out", str(tmp_path), "--nproc", "1", "--script", "mock", "--cases", "baseline,offload"])
+    finally:
+        run_functional.launch = saved
+    assert not (tmp_path / "offload.exit").exists()
+    # megatron_runs._run removes a run's own old exit code before it starts it.
+    (tmp_path / "x.exit").write_text("0")
+    with pytest.raises(FileNotFoundError):
+        megatron_runs._run("x", ["/nonexistent-binary"], {}, str(tmp_path), 5)
+    assert not (tmp_path / "x.exit").exists()
