@@ -303,7 +303,6 @@ def set_diagnostics_from_env():
         megatron_args.DIAGNOSTICS.update(chosen)
 
 
-
 _SLEEP_CYCLES_PER_MS = []
 
 
