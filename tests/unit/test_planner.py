@@ -1,6 +1,8 @@
 """The planner's floor computation against the brief's hand analysis of R1, R2 and R3."""
 
 import dataclasses
+import os
+import sys
 
 import pytest
 
@@ -180,6 +182,14 @@ def test_the_streamed_step_sends_what_the_shared_link_carries_in_the_step():
     assert predict(prof, 8 * GiB, dt_ms=0.01).iteration_ms >= p.iteration_ms  # (unchunked)
 
 
+def _benchmark():
+    """scripts/benchmark.py as a module (its planner comparison and variants)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+    import benchmark
+
+    return benchmark
+
+
 def _host_bound_profile(busy):
     # 1 GiB/ms each way. The forwards grow 2.5 GiB/ms (the copy-out cannot keep up) and, with
     # `busy`, were launch-bound in the baseline: the GPU needs only `busy` of their 4 ms.
@@ -219,11 +229,7 @@ def test_the_benchmark_floor_takes_the_busy_iteration_of_the_baseline(capsys):
     (`busy_timelines`) gives the phases' busy_ms; the floor then counts the host's lead, and the
     floor without it is printed beside it. Labels that differ from the marked iterations' are
     ignored (a busy iteration of another schedule)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-    import benchmark
+    benchmark = _benchmark()
 
     marks = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 81.0, 20 * GiB),
              ("bwd_begin", 81.0, 20 * GiB), ("bwd_end", 171.0, 0), ("fwd_begin", 171.0, 0),
@@ -289,11 +295,7 @@ def test_a_phase_counts_as_launch_bound_only_when_clearly_shorter_on_the_gpu():
 
 
 def test_the_benchmarks_busy_iteration_is_never_timed():
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-    import benchmark
+    benchmark = _benchmark()
 
     for warmup in (2, 6, 8):
         at = benchmark.busy_iteration("baseline", warmup)
@@ -317,11 +319,7 @@ def test_the_host_launches_the_step_while_compute_waits_for_the_reload():
 
 
 def test_benchmark_variants_with_another_copy_out_in_flight():
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-    import benchmark
+    benchmark = _benchmark()
 
     fed = benchmark.variant_args("offload-chunked-fed1024")
     assert fed == benchmark.variant_args("offload-chunked-fed")[:-1] + ["1024"] and "--offload-chunked-step" in fed
