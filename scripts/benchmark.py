@@ -310,9 +310,15 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
             total = state + (r.get("kept_gib") or [0])[0] * planner.GiB
             free = planner.free_bytes(dataclasses.replace(prof, state_bytes=total))
             saved = r["reserved_saved_gib"] * planner.GiB
-            rows[name].update(planner_free_gib=free / planner.GiB, saved_of_free=saved / free if free else None)
+            # Every rank against the free bytes of rank 0's timeline (the ranks of a data-parallel job
+            # run the same phases; issue 25 asks it of every rank).
+            per_rank = [(b - m) * planner.GiB / free if free else None
+                        for b, m in zip(base["max_reserved_gib"], r["max_reserved_gib"])]
+            rows[name].update(planner_free_gib=free / planner.GiB, saved_of_free=saved / free if free else None,
+                              saved_of_free_per_rank=per_rank)
             print(f"planner {name}: free (<= 0.5 % cost) {free / planner.GiB:.2f} GiB of {total / planner.GiB:.2f}; "
-                  f"reserved saved {saved / planner.GiB:.2f} GiB = {saved / free if free else float('nan'):.0%} of it; "
+                  f"reserved saved {saved / planner.GiB:.2f} GiB = {saved / free if free else float('nan'):.0%} of it "
+                  f"(per rank: {' / '.join(f'{x:.0%}' if x is not None else '-' for x in per_rank)}); "
                   f"chosen in-run: {[a and round(a['fraction'], 2) for a in r.get('auto_fraction') or []]}")
     return rows
 

@@ -327,3 +327,17 @@ def test_benchmark_variants_with_another_copy_out_in_flight():
     assert "--offload-chunked-step" not in benchmark.variant_args("offload-fed512")
     with pytest.raises(SystemExit):
         benchmark.variant_args("offload-fedx")
+
+
+def test_the_automatic_fractions_saving_is_reported_for_every_rank(capsys):
+    benchmark = _benchmark()
+    marks = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 51.0, 20 * GiB),
+             ("bwd_begin", 51.0, 20 * GiB), ("bwd_end", 141.0, 0), ("step_begin", 145.0, 0), ("step_end", 175.0, 0)]
+    timeline = {"iteration": 10, "marks": marks, "step_peak_growth": 0}
+    base = {"timeline": timeline, "timelines": [timeline], "offloaded_gib": [0, 0], "max_reserved_gib": [30.0, 30.0]}
+    auto = {"offloaded_gib": [3.0, 3.0], "kept_gib": [4.0, 4.0], "ratio": 1.01, "reserved_saved_gib": 2.0,
+            "max_reserved_gib": [28.0, 29.0], "auto_fraction": []}
+    row = benchmark.compare_with_planner({"baseline": base, "offload-auto": auto}, 55.0)["offload-auto"]
+    free = row["planner_free_gib"]
+    assert 0 < free and row["saved_of_free_per_rank"] == [pytest.approx(2.0 / free), pytest.approx(1.0 / free)]
+    assert f"(per rank: {2.0 / free:.0%} / {1.0 / free:.0%})" in capsys.readouterr().out
