@@ -87,6 +87,7 @@ for stage in $STAGES; do
         cp "$WORK/$name/functional_summary.json" "$OUT/$summary" 2>/dev/null
       done ;;
     matrix)
+      rm -f "$WORK/matrix/matrix_summary.json"  # (rewritten after every case: a cut matrix keeps what finished)
       within_budget python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" \
         ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/matrix.log" || status=1
       cp "$WORK/matrix/matrix_summary.json" "$OUT/" 2>/dev/null ;;
