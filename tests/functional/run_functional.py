@@ -186,9 +186,15 @@ def main(argv=None):
     # Megatron prints every iteration's loss: those printed values are compared too.
     base = model_args(opts.iters) + ["--deterministic-mode", "--log-interval", "1"] + " ".join(opts.extra).split()
     ck = lambda name: os.path.join(opts.out, f"ckpt_{name}")  # noqa: E731
+
+    def recorded_exit(name):
+        """The exit code a finished run left in --out (megatron_runs._run), None if it never finished."""
+        path = os.path.join(opts.out, f"{name}.exit")
+        return int(open(path).read().strip() or 0) if os.path.exists(path) else None
+
     unfinished = []
     if opts.from_records:
-        unfinished = [n for n in cases if not os.path.exists(os.path.join(opts.out, f"{n}.exit"))]
+        unfinished = [n for n in cases if recorded_exit(n) is None]
         if unfinished:
             print(f"--from-records: no finished run of {unfinished} in {opts.out}; checked without them", flush=True)
         cases = [n for n in cases if n not in unfinished]
@@ -196,10 +202,9 @@ def main(argv=None):
         for name in ("baseline", "offload", "offload_chunked", "crash"):
             shutil.rmtree(ck(name), ignore_errors=True)
         # Nothing of an earlier call in this folder may pass for this one's (--from-records reads these).
-        for name in [*cases, "functional_summary.json"]:
-            path = os.path.join(opts.out, name if name.endswith(".json") else f"{name}.exit")
-            if os.path.exists(path):
-                os.remove(path)
+        for path in [*(f"{name}.exit" for name in cases), "functional_summary.json"]:
+            if os.path.exists(os.path.join(opts.out, path)):
+                os.remove(os.path.join(opts.out, path))
 
     runs, checks, printed = {}, [], {}
 
@@ -233,7 +238,7 @@ def main(argv=None):
     for name in cases:
         if name == "crash":
             if opts.from_records:
-                code = int(open(os.path.join(opts.out, "crash.exit")).read() or 0)
+                code = recorded_exit("crash")
                 log = open(os.path.join(opts.out, "crash.log")).read()
             else:
                 code, log, seconds = launch_expecting_failure(
@@ -246,8 +251,8 @@ def main(argv=None):
         env = {"MEGATRON_OFFLOAD_NO_PLUGIN": "1"} if name == "no_plugin" else None
         if not opts.from_records:
             runs[name] = launch(name, plan[name], opts.nproc, opts.out, script=script, env_extra=env)
-        elif open(os.path.join(opts.out, f"{name}.exit")).read().strip() != "0":
-            check(f"{name}: finished", False, f"(exit {open(os.path.join(opts.out, f'{name}.exit')).read().strip()})")
+        elif (code := recorded_exit(name)) != 0:
+            check(f"{name}: finished", False, f"(exit {code})")
             continue
         else:
             try:
