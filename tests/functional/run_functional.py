@@ -16,6 +16,8 @@ scripts/pretrain_gpt_mock.py; --script mock|upstream|PATH chooses. Runs (mock da
                     --async-strategy mcore, else megatron-core saves synchronously: checked), by a
                     checkpoint worker that wrote while training went on)
   resume_plain      no offload, resumes the offload run's checkpoint   (checkpoint interchange)
+  resume_baseline   no offload, resumes the baseline's checkpoint: Megatron's own resume, for telling
+                    the plugin's share of a resume that differs from upstream's (not by default)
   plain_to_offload  offload, resumes the baseline's checkpoint        (checkpoint interchange)
   crash             offload, saves at iters/2, then every rank SIGKILLs itself mid-iteration 2
                     iterations later (tests/functional/recorded_launch.py, by process id)
@@ -46,8 +48,8 @@ from megatron_runs import (  # noqa: E402
 CASES = ("baseline,no_plugin,offload,offload_chunked,resume_offload,resume_plain,plain_to_offload,crash,"
          "resume_after_crash")
 LOADS_FROM = {"resume_offload": "offload", "resume_chunked": "offload_chunked", "resume_plain": "offload",
-              "plain_to_offload": "baseline", "resume_after_crash": "crash", "model_only_plain": "offload",
-              "model_only_offload": "offload"}
+              "plain_to_offload": "baseline", "resume_baseline": "baseline", "resume_after_crash": "crash",
+              "model_only_plain": "offload", "model_only_offload": "offload"}
 # Iterations left out of the steady-state memory comparison (start-up, first step's packing).
 WARMUP = 3
 
@@ -144,6 +146,7 @@ def compare_runs(runs, printed, iters, nproc):
                               ("resume_chunked", "offload_chunked", "offload_chunked"),
                               ("resume_plain", "offload", "offload"),
                               ("plain_to_offload", "baseline", "baseline"),
+                              ("resume_baseline", "baseline", "baseline"),
                               ("resume_after_crash", "offload", "crash")):
         if name in runs and ref in runs:
             got, want = losses(runs[name]), losses(runs[ref])[half:]
@@ -154,8 +157,16 @@ def compare_runs(runs, printed, iters, nproc):
                 check(f"{name}: rank {r} final params identical",
                       runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
             fresh_run = "offload_chunked" if name == "resume_chunked" else "offload"
-            if name != "resume_plain" and fresh_run in runs:
+            if name not in ("resume_plain", "resume_baseline") and fresh_run in runs:
                 load_stays_off_the_gpu(name, fresh_run)
+        if name in runs and name != "resume_baseline" and "resume_baseline" in runs:
+            # Where Megatron's own resume differs from the uninterrupted run (e.g. TE's FP8 params
+            # with --fp8-param-gather), the plugin's resumes must still equal Megatron's own resume:
+            # the checkpoints they load hold the same values (the runs were identical up to the save).
+            check(f"{name}: identical to Megatron's own resume (resume_baseline)",
+                  losses(runs[name]) == losses(runs["resume_baseline"])
+                  and all(runs[name]["ranks"][r]["params_sha256"] == runs["resume_baseline"]["ranks"][r]["params_sha256"]
+                          for r in range(nproc)))
 
     return checks
 
@@ -230,6 +241,7 @@ def main(argv=None):
         "resume_chunked": base + resume("offload_chunked") + offload + [
             "--offload-chunked-step", "--offload-step-budget-mb", "64"],
         "resume_plain": base + resume("offload"),
+        "resume_baseline": base + resume("baseline"),
         "plain_to_offload": base + resume("baseline") + offload,
         "resume_after_crash": base + resume("crash") + offload,
         "model_only_plain": base + resume("offload") + ["--no-load-optim"],

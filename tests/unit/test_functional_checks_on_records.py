@@ -197,3 +197,19 @@ def test_a_new_call_removes_what_an_earlier_one_left(tmp_path):
     with pytest.raises(FileNotFoundError):
         megatron_runs._run("x", ["/nonexistent-binary"], {}, str(tmp_path), 5)
     assert not (tmp_path / "x.exit").exists()
+
+
+def test_resume_baseline_is_checked_against_the_baseline(recorded):
+    """Megatron's own resume (no plugin on either side) is compared with the baseline, so that a
+    resume differing with the plugin can be told from one differing without it."""
+    runs, printed = recorded
+    runs["resume_baseline"] = copy.deepcopy(runs["plain_to_offload"])
+    printed["resume_baseline"] = dict(printed["plain_to_offload"])
+    checks = [what for what, _, _ in compare_runs(runs, printed, ITERS, NPROC) if what.startswith("resume_baseline")]
+    assert len(checks) == 2 + NPROC and failed(runs, printed) == []
+    same_as_megatron = [what for what, _, _ in compare_runs(runs, printed, ITERS, NPROC) if "(resume_baseline)" in what]
+    assert len(same_as_megatron) == 4  # resume_offload, resume_plain, plain_to_offload, resume_after_crash
+    its = runs["resume_baseline"]["ranks"][0]["iterations"]
+    its[-1]["loss"] = (float.fromhex(its[-1]["loss"]) * (1 + 2**-20)).hex()
+    assert sorted(failed(runs, printed)) == sorted(["resume_baseline: resumed losses identical to the uninterrupted run",
+                                                    *same_as_megatron])
