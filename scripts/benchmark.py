@@ -153,7 +153,8 @@ def soak_stats(iterations, warmup, window=100):
     first = max(it["max_reserved"] for it in timed[:window])
     last = max(it["max_reserved"] for it in timed[-window:])
     slowest = sorted(range(len(timed)), key=lambda i: timed[i]["ms"])[-5:]
-    keys = ("ms", "gc_ms", "alloc_retries", "device_allocs", "device_frees", "max_reserved")
+    keys = ("ms", "gc_ms", "gc_gen1", "gc_full", "gc_full_collected", "alloc_retries", "device_allocs", "device_frees",
+            "max_reserved")
     return {"iterations": len(timed), "p50_ms": p50, "p99_ms": p99, "p99_over_p50": p99 / p50,
             "max_ms": ms[-1], "slowest_iterations": [warmup + i + 1 for i in sorted(slowest)],
             # The slowest iterations with what may explain them (records without a key: None).

@@ -242,8 +242,10 @@ def write_gpu_timeline(profiler, path):
 
 _MARKER_STREAM = []
 
-# Milliseconds the cyclic garbage collector has run in this process so far (gc.callbacks).
+# Milliseconds the cyclic garbage collector has run in this process so far (gc.callbacks), and
+# its collections so far: per generation, and the objects the full (generation 2) ones collected.
 _GC_CLOCK = [0.0, None]
+_GC_COUNTS = {"gc_gen0": 0, "gc_gen1": 0, "gc_full": 0, "gc_full_collected": 0}
 
 
 def _gc_timer(phase, info):
@@ -252,6 +254,10 @@ def _gc_timer(phase, info):
     elif _GC_CLOCK[1] is not None:
         _GC_CLOCK[0] += (time.perf_counter() - _GC_CLOCK[1]) * 1e3
         _GC_CLOCK[1] = None
+        gen = info.get("generation")
+        _GC_COUNTS[("gc_gen0", "gc_gen1", "gc_full")[min(gen, 2)] if gen is not None else "gc_gen0"] += 1
+        if gen == 2:
+            _GC_COUNTS["gc_full_collected"] += info.get("collected", 0)
 
 
 gc.callbacks.append(_gc_timer)
@@ -442,7 +448,7 @@ class Recorder:
             # Peaks per iteration (the run's peak is the max over these and the start-up peak).
             torch.cuda.reset_peak_memory_stats()
             counters = _allocator_counters()
-            gc_before = _GC_CLOCK[0]
+            gc_before, gc_counts_before = _GC_CLOCK[0], dict(_GC_COUNTS)
             start = time.perf_counter()
             result = train_step(*a, **k)
             if profiler is not None:
@@ -479,6 +485,7 @@ class Recorder:
                     # allocator's retries (cache flushed, then allocated again) and device
                     # allocations / frees (mapping growth) during the iteration.
                     "gc_ms": _GC_CLOCK[0] - gc_before,
+                    **{k: v - gc_counts_before[k] for k, v in _GC_COUNTS.items()},
                     "busy": busy,  # (its time includes the GPU sleep)
                     **{k: v - counters[k] for k, v in _allocator_counters().items()},
                 }
