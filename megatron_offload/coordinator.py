@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 from typing import Callable, List, Optional
 
@@ -116,6 +117,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self.phase = Phase.NO_STATE  # where the state is (phase.py)
         self.it = IterationRecord(state=IterationState.STARTUP)  # where the loop is (iteration.py)
         self._iterations_done = 0
+        self._setup_collected = False  # the one full garbage collection after setup is done
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
@@ -363,6 +365,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self.auto_fraction_at == self._iterations_done:  # (the calibration iteration, on every rank)
             self._mark("step_end")
             self._choose_fraction()  # (may re-pack: the copy-out below then sends the new chunks)
+        if not self._setup_collected and self._iterations_done >= SETUP_ITERATIONS and not self.auto_fraction_at:
+            self._collect_setup_garbage()
         if self.feeder is not None and self._copy_out_due:
             # The feeder lets the host's reads after the step through (copy_feeder.py): start now.
             self.start_pending_copy_out()
@@ -370,6 +374,24 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self._chunks(ChunkState.COPYING_OUT) or self._copy_out_due:
             self.phase = Phase.FREEING
         self._trace("step_done")
+
+    def _collect_setup_garbage(self) -> None:
+        """One full garbage collection when the plugin's one-time work is over (first steps,
+        packing, pinning, an automatic fraction's calibration).
+
+        Why: that work leaves thousands of objects (per-tensor and per-chunk records, packed
+        views, their lists) that the young collections move to the oldest generation. CPython
+        collects that generation once the objects moved there since its last full collection
+        exceed a quarter of those that survived it; in a process whose last full collection came
+        early in start-up, the plugin's setup brings that moment into the training iterations, and
+        a full collection of a training process's heap stalls one iteration for hundreds of ms.
+        Collected here, in an iteration of start-up, the count starts again from the whole heap
+        (see [Note: garbage collection after setup] in docs/design.md). A loop that turned automatic collection off
+        (Megatron's --manual-gc) decides its collections itself: nothing is done then."""
+        self._setup_collected = True
+        if gc.isenabled():
+            gc.collect()
+            self._trace("setup_collected")
 
     def close(self) -> None:
         """Detach: hooks removed, every state tensor back on the GPU, pinned memory released; the
@@ -383,6 +405,11 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             off.close()
         if self.feeder is not None:
             self.feeder.close()
+
+
+# Iterations of one-time work before the setup's garbage is collected: the first step creates and
+# packs the state, the second iteration's copy-out and reload use the host buffers for the first time.
+SETUP_ITERATIONS = 2
 
 
 class OffloadNotRunningError(RuntimeError):

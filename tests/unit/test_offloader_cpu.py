@@ -1819,3 +1819,23 @@ def test_fit_pre_check_never_changes_what_fits():
         assert plain.reloads_deferred_for_fit == bounded.reloads_deferred_for_fit
         skipped += bounded.fit_skips
     assert skipped > 1000  # the bound did skip snapshots, not only pass them through
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_one_full_garbage_collection_after_setup_unless_the_loop_manages_gc(enabled, monkeypatch):
+    """Setup's objects would otherwise bring CPython's first full collection into the training
+    iterations; a loop that turned automatic collection off (--manual-gc) is left alone."""
+    import megatron_offload.coordinator as coordinator
+
+    calls = []
+    monkeypatch.setattr(coordinator.gc, "collect", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(coordinator.gc, "isenabled", lambda: enabled)
+    opt = FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    done = []
+    for step in range(6):
+        one_iteration(opt, coord, step)
+        done.append(len(calls))
+    assert done == ([0, 1, 1, 1, 1, 1] if enabled else [0] * 6)
+    assert ("setup_collected" in coord.events) is enabled
