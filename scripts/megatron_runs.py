@@ -21,6 +21,9 @@ SAFE_ENV = {  # never let NCCL / PyTorch / NVSHMEM use NVLink multicast on share
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 DETERMINISM_ENV = {"NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+# The runs load only checkpoints that runs of the same suite wrote: let TE 2.20.2 load the pickled
+# FP8 (delayed scaling) metadata it otherwise refuses, with or without the plugin.
+OWN_CHECKPOINTS_ENV = {"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "1"}
 
 NO_FUSION = (
     "--transformer-impl local --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
@@ -64,6 +67,7 @@ def _command(name, args, nproc, out, script, env_extra):
     os.makedirs(record)
     env = dict(os.environ)
     env.update(DETERMINISM_ENV)
+    env.update(OWN_CHECKPOINTS_ENV)
     env.update(env_extra or {})
     env.update(SAFE_ENV)  # last: never overridable
     env["MEGATRON_OFFLOAD_RECORD"] = record

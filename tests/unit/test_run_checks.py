@@ -215,3 +215,15 @@ def test_save_growth_checks_skip_only_a_one_chunk_rank_with_nothing_off():
     # Nothing checked at all: fails.
     checks = save_growth_checks([rank(10)], [one_chunk(rank(10, state=256, off=0))])
     assert [ok for _, ok, _ in checks] == [False]
+
+
+def test_runs_may_load_te_fp8_metadata_of_their_own_checkpoints_and_stay_off_nvlink_multicast(tmp_path):
+    """TE 2.20.2 refuses to load delayed-scaling FP8 metadata (a pickle) unless told; the suite's
+    runs load only checkpoints the suite wrote, so its resumes set it (a run may still override)."""
+    from megatron_runs import _command
+
+    _, env, _ = _command("resume", [], 1, str(tmp_path), "scripts/pretrain_gpt_mock.py", None)
+    assert env["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] == "1" and env["NCCL_NVLS_ENABLE"] == "0"
+    _, env, _ = _command("resume", [], 1, str(tmp_path), "scripts/pretrain_gpt_mock.py",
+                         {"NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE": "0", "NCCL_NVLS_ENABLE": "1"})
+    assert env["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] == "0" and env["NCCL_NVLS_ENABLE"] == "0"
