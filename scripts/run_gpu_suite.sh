@@ -89,7 +89,16 @@ for stage in $STAGES; do
     matrix)
       rm -f "$WORK/matrix/matrix_summary.json"  # (rewritten after every case: a cut matrix keeps what finished)
       within_budget python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" \
-        ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/matrix.log" || status=1
+        ${MATRIX_ARGS:-} 2>&1 | tee "$OUT/matrix.log"
+      code=${PIPESTATUS[0]}
+      [ "$code" = 0 ] || status=1
+      if [ "$code" = 124 ]; then
+        # Cut short (SUITE_BUDGET_S): every case's checks on the runs that finished (an unfinished
+        # run fails its own checks); this summary replaces the one of the cases that completed.
+        # shellcheck disable=SC2086
+        python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" ${MATRIX_ARGS:-} --from-records \
+          2>&1 | tee -a "$OUT/matrix.log"
+      fi
       cp "$WORK/matrix/matrix_summary.json" "$OUT/" 2>/dev/null ;;
     bench)
       rm -f "$WORK/bench/benchmark.json"

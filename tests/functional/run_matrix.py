@@ -139,6 +139,16 @@ class GpuSlots:
                 self.cv.notify_all()
 
 
+def attempt(call):
+    """`call` returning its exception instead of raising it."""
+    def run():
+        try:
+            return call()
+        except Exception as err:  # (a run that failed or, from records, never finished)
+            return err
+    return run
+
+
 def together(*calls):
     """Run independent zero-argument calls concurrently; their results in order."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(calls)) as pool:
@@ -204,9 +214,15 @@ def run_case(name, iters, out, slots):
             flag = ["--no-load-optim"] if kind == "no_load_optim" else ["--finetune", "--train-iters", str(half)]
             plans[kind + "-plain"] = resumed(f"{kind}-plain", "baseline", False, flag)
             plans[kind + "-offload"] = resumed(f"{kind}-offload", "baseline", True, flag)
-    loaded = dict(zip(plans, together(*plans.values()))) if plans else {}
+    # A checkpoint run that failed (or, from records, never finished) fails its own checks only.
+    loaded = dict(zip(plans, together(*[attempt(c) for c in plans.values()]))) if plans else {}
 
     for kind in ckpt_runs:
+        missing = [(k, loaded[k]) for k in ([kind] if kind in RESUMES else [kind + "-plain", kind + "-offload"])
+                   if isinstance(loaded[k], Exception)]
+        if missing:
+            check(f"{kind}: ran", False, "; ".join(f"{k}: {str(err)[-300:]}" for k, err in missing))
+            continue
         if kind in RESUMES:
             ref = offload if RESUMES[kind][0] == "offload" else plain
             run = loaded[kind]

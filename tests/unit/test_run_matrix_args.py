@@ -50,3 +50,37 @@ def test_script_choice(tmp_path, monkeypatch):
     assert megatron_runs.choose_script("auto") == megatron_runs.MOCK_SCRIPT
     with pytest.raises(SystemExit):
         megatron_runs.choose_script("upstream")
+
+
+def test_a_failed_checkpoint_run_fails_its_own_checks_only(monkeypatch, tmp_path):
+    """A checkpoint run that failed (or, re-evaluated from records, never finished: a time limit)
+    must not hide the checks of the case's other runs."""
+    iters, half = 4, 2
+
+    def record(n, loss_offset=0.0):
+        its = [{"loss": float(1.0 + i + loss_offset).hex(), "skipped": 0, "max_reserved": 2 << 30,
+                "max_allocated": 1 << 30} for i in range(n)]
+        rank = {"iterations": its, "params_sha256": "p", "optimizer_state_sha256": "s", "offloaded_bytes": 1 << 20,
+                "adam_state_bytes": 1 << 20, "cumulative_d2h_bytes": 10 << 20}
+        return {"ranks": [rank, dict(rank)]}
+
+    def fake_launch(name, args, nproc, out, script=None, env_extra=None):
+        if name == "dp2-finetune-plain":
+            raise FileNotFoundError("dp2-finetune-plain/rank0.json")
+        if name.startswith("dp2-no_load_optim"):
+            return record(half, loss_offset=half)  # (resumed at `half`: the uninterrupted run's losses from there)
+        return record(iters if name in ("dp2-baseline", "dp2-offload") else half)
+
+    class Slots:
+        def run(self, fn, n):
+            return fn({})
+
+    monkeypatch.setattr(run_matrix, "launch", fake_launch)
+    monkeypatch.setattr(run_matrix, "EXTRA", [])
+    monkeypatch.setattr(run_matrix, "SCRIPT", ["scripts/pretrain_gpt_mock.py"])
+    checks = {what: ok for what, ok, _ in run_matrix.run_case("dp2", iters, str(tmp_path), Slots())["checks"]}
+    assert checks["finetune: ran"] is False
+    assert not any(what.startswith("finetune:") for what in checks if what != "finetune: ran")
+    assert checks["no_load_optim: losses identical with and without offload"]
+    assert checks["no_load_optim: first resumed loss equals the uninterrupted run's"]
+    assert checks["losses bit-identical"] and checks["rank 1 params identical"]
