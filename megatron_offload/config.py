@@ -42,6 +42,9 @@ class OffloadConfig:
     # finalized: large tensors are read from shared-memory snapshots (save_snapshot.py)
     async_save_snapshots: bool = False
     per_step: bool = True  # offload after every step (the flag); False: phase switches only (phase_switch.py)
+    # One full garbage collection once setup is over (OffloadCoordinator._collect_setup_garbage);
+    # CPU tests that drive many short-lived coordinators turn it off.
+    collect_after_setup: bool = True
     # Diagnostic switches (the benchmark sets them to measure alternatives; defaults are the product):
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
     backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)

@@ -117,7 +117,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self.phase = Phase.NO_STATE  # where the state is (phase.py)
         self.it = IterationRecord(state=IterationState.STARTUP)  # where the loop is (iteration.py)
         self._iterations_done = 0
-        self._setup_collected = False  # the one full garbage collection after setup is done
+        self._steps_done = 0  # iterations in which an optimizer stepped (not skipped)
+        self._setup_collected = not config.collect_after_setup  # the one full collection after setup is done
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
@@ -347,6 +348,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
                 "forward_begin()/backward_begin()/grads_finalizing() call (or start_pending_copy_out()).")
         self._skipped_last_step = False
         self._release_cache_at("step_end")
+        if any(id(off) in self.it.stepped for off in self.offloaders):
+            self._steps_done += 1
         for off in self.offloaders:
             if id(off) in self.it.stepped:
                 self._copy_out_due.append(off)
@@ -365,12 +368,12 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self.auto_fraction_at == self._iterations_done:  # (the calibration iteration, on every rank)
             self._mark("step_end")
             self._choose_fraction()  # (may re-pack: the copy-out below then sends the new chunks)
-        if not self._setup_collected and self._iterations_done >= SETUP_ITERATIONS and not self.auto_fraction_at:
-            self._collect_setup_garbage()
         if self.feeder is not None and self._copy_out_due:
             # The feeder lets the host's reads after the step through (copy_feeder.py): start now.
             self.start_pending_copy_out()
             self._stepped_since_forward = True
+        if not self._setup_collected and self._steps_done >= SETUP_STEPS and not self.auto_fraction_at:
+            self._collect_setup_garbage()  # (after the feeder's start: its copies run meanwhile)
         if self._chunks(ChunkState.COPYING_OUT) or self._copy_out_due:
             self.phase = Phase.FREEING
         self._trace("step_done")
@@ -384,7 +387,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         collects that generation once the objects moved there since its last full collection
         exceed a quarter of those that survived it; in a process whose last full collection came
         early in start-up, the plugin's setup brings that moment into the training iterations, and
-        a full collection of a training process's heap stalls one iteration for hundreds of ms.
+        a full collection of a training process's heap stalls that iteration.
         Collected here, in an iteration of start-up, the count starts again from the whole heap
         (see [Note: garbage collection after setup] in docs/design.md). A loop that turned automatic collection off
         (Megatron's --manual-gc) decides its collections itself: nothing is done then."""
@@ -407,9 +410,10 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             self.feeder.close()
 
 
-# Iterations of one-time work before the setup's garbage is collected: the first step creates and
-# packs the state, the second iteration's copy-out and reload use the host buffers for the first time.
-SETUP_ITERATIONS = 2
+# Steps (not skipped) of one-time work before the setup's garbage is collected: the first creates and
+# packs the state (TE's FusedAdam creates it only then), the next iteration's copy-out and reload use
+# the host buffers for the first time. Skipped steps (fp16's loss-scale warm-up) do not count.
+SETUP_STEPS = 2
 
 
 class OffloadNotRunningError(RuntimeError):

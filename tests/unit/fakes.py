@@ -378,6 +378,9 @@ def make_coordinator(device=None, **kw):
 
     renamed = {"memory_allocated": "allocated", "max_memory_allocated": "max_allocated"}
     kw = {renamed.get(k, k): v for k, v in kw.items()}
+    # A real gc.collect() in every test coordinator costs the suite seconds per file: only the
+    # tests of that collection turn it on.
+    kw.setdefault("collect_after_setup", False)
     config_fields = {f.name for f in dataclasses.fields(OffloadConfig)}
     probe_fields = {f.name for f in dataclasses.fields(AllocatorProbes)}
     config = OffloadConfig(**{k: kw.pop(k) for k in list(kw) if k in config_fields})

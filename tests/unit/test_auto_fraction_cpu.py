@@ -274,7 +274,7 @@ def test_the_second_calibration_is_taken_as_measured_within_the_first_ones_bound
     assert auto_fraction.refine(first, second(0.2)).fraction == 0.38
 
 
-def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt):
+def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt, collect_after_setup=False):
     """A coordinator whose calibrations return `choices` in turn, run `steps` iterations (state
     bit-identical to a reference optimizer's after each); returns (coord, off, choose calls, ref,
     opt) for tests that go on."""
@@ -288,7 +288,8 @@ def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt):
     ref, opt = make_opt(), make_opt()
     coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
-                               memory_room=lambda: 777.0, smallest_in_group=group)
+                               memory_room=lambda: 777.0, smallest_in_group=group,
+                               collect_after_setup=collect_after_setup)
     off = coord.add_optimizer(opt)
     for step in range(steps):
         make_grads(ref.all_params(), step)
@@ -403,3 +404,19 @@ def test_a_second_choice_of_everything_after_all_was_kept_offloads_everything(mo
         _iteration(opt, coord, step)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
     assert coord.auto_choice.calibrations == 2 and off.kept == [] and off.kept_chunks == [] and off.chunks
+
+
+def test_the_setup_collection_waits_for_the_automatic_fractions_calibrations(monkeypatch):
+    """The calibrations re-pack the state (new one-time objects): the one full garbage collection
+    comes after the last of them, not at the second step."""
+    import megatron_offload.coordinator as coordinator
+
+    collected = []
+    monkeypatch.setattr(coordinator.gc, "collect", lambda *a, **k: collected.append(1) or 0)
+    monkeypatch.setattr(coordinator.gc, "isenabled", lambda: True)
+    first = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.6)
+    again = auto_fraction.Choice(0.3, 0.3, 0.0, 1.0, 0.0, 55, 55, free_upper=0.5)
+    coord, _, calls, _, _ = _auto_run(monkeypatch, [first, again], steps=6, collect_after_setup=True)
+    assert len(calls) == 2 and len(collected) == 1
+    marks = [e for e in coord.events if e.startswith("auto_fraction") or e == "setup_collected"]
+    assert marks == ["auto_fraction:0.40", "auto_fraction:0.50", "setup_collected"]

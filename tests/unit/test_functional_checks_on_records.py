@@ -209,6 +209,12 @@ def test_resume_baseline_is_checked_against_the_baseline(recorded):
     assert len(checks) == 2 + NPROC and failed(runs, printed) == []
     same_as_megatron = [what for what, _, _ in compare_runs(runs, printed, ITERS, NPROC) if "(resume_baseline)" in what]
     assert len(same_as_megatron) == 4  # resume_offload, resume_plain, plain_to_offload, resume_after_crash
+    # Params alone differing from Megatron's own resume fail the same checks (and its own params check).
+    params_kept = runs["resume_baseline"]["ranks"][0]["params_sha256"]
+    runs["resume_baseline"]["ranks"][0]["params_sha256"] = "0" * 64
+    assert sorted(failed(runs, printed)) == sorted(["resume_baseline: rank 0 final params identical",
+                                                    *same_as_megatron])
+    runs["resume_baseline"]["ranks"][0]["params_sha256"] = params_kept
     its = runs["resume_baseline"]["ranks"][0]["iterations"]
     its[-1]["loss"] = (float.fromhex(its[-1]["loss"]) * (1 + 2**-20)).hex()
     assert sorted(failed(runs, printed)) == sorted(["resume_baseline: resumed losses identical to the uninterrupted run",
