@@ -163,7 +163,12 @@ def soak_stats(iterations, warmup, window=100):
             "ms": [round(it["ms"], 2) for it in timed],
             "max_reserved_mib": [it["max_reserved"] >> 20 for it in timed],
             "reserved_first_gib": first / 2**30, "reserved_last_gib": last / 2**30,
-            "reserved_creep": last / first - 1}
+            "reserved_creep": last / first - 1,
+            # Garbage collection over the whole run, warm-up included: iterations (1-based) with a
+            # collection over 50 ms, and those with a full one (records that count them).
+            "gc_slow_at": [[i + 1, round(it["gc_ms"], 1)] for i, it in enumerate(iterations)
+                           if (it.get("gc_ms") or 0) > 50],
+            "gc_full_at": [[i + 1, round(it["gc_ms"], 1)] for i, it in enumerate(iterations) if it.get("gc_full")]}
 
 
 def summarize(run, warmup):

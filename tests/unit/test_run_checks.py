@@ -157,6 +157,9 @@ def test_soak_stats_report_tail_latency_and_reserved_creep():
     assert outlier["gc_ms"] == 250.0 and outlier["alloc_retries"] == 1 and outlier["device_allocs"] is None
     assert len(s["ms"]) == len(s["max_reserved_mib"]) == 300 and s["max_reserved_mib"][-1] == 1010
     assert abs(s["reserved_creep"] - 0.01) < 1e-9
+    assert s["gc_slow_at"] == [[151, 250.0]] and s["gc_full_at"] == []
+    its[1].update(gc_ms=600.0, gc_full=1)  # a full collection in warm-up is reported too
+    assert soak_stats(its, warmup=20)["gc_full_at"] == [[2, 600.0]]
     assert soak_stats(its[:150], warmup=20) is None  # too short for two windows
 
 
