@@ -15,6 +15,20 @@ class Launched(Exception):
     pass
 
 
+class InlineSlots:
+    """GpuSlots that runs each launch at once, with no devices."""
+
+    def run(self, fn, n):
+        return fn({})
+
+
+def use_launch(monkeypatch, fake_launch, script):
+    """run_matrix with `fake_launch` for its runs, no --extra, and `script` as the training script."""
+    monkeypatch.setattr(run_matrix, "launch", fake_launch)
+    monkeypatch.setattr(run_matrix, "EXTRA", [])
+    monkeypatch.setattr(run_matrix, "SCRIPT", [script])
+
+
 def test_extra_arguments_reach_every_run(monkeypatch, tmp_path):
     seen = []
 
@@ -23,16 +37,10 @@ def test_extra_arguments_reach_every_run(monkeypatch, tmp_path):
         assert script == "/some/megatron-lm/pretrain_gpt.py", script
         raise Launched(name)
 
-    class Slots:
-        def run(self, fn, n):
-            return fn({})
-
-    monkeypatch.setattr(run_matrix, "launch", fake_launch)
-    monkeypatch.setattr(run_matrix, "EXTRA", [])
-    monkeypatch.setattr(run_matrix, "SCRIPT", ["/some/megatron-lm/pretrain_gpt.py"])
+    use_launch(monkeypatch, fake_launch, "/some/megatron-lm/pretrain_gpt.py")
     run_matrix.EXTRA[:] = " ".join(["--transformer-impl=transformer_engine", "--fp8-format hybrid"]).split()
     with pytest.raises(Launched):
-        run_matrix.run_case("dp2", 4, str(tmp_path), Slots())
+        run_matrix.run_case("dp2", 4, str(tmp_path), InlineSlots())
     assert seen, "nothing launched"
     for name, args in seen:
         # After the model's defaults (which say --transformer-impl local), so that they win.
@@ -71,14 +79,8 @@ def test_a_failed_checkpoint_run_fails_its_own_checks_only(monkeypatch, tmp_path
             return record(half, loss_offset=half)  # (resumed at `half`: the uninterrupted run's losses from there)
         return record(iters if name in ("dp2-baseline", "dp2-offload") else half)
 
-    class Slots:
-        def run(self, fn, n):
-            return fn({})
-
-    monkeypatch.setattr(run_matrix, "launch", fake_launch)
-    monkeypatch.setattr(run_matrix, "EXTRA", [])
-    monkeypatch.setattr(run_matrix, "SCRIPT", ["scripts/pretrain_gpt_mock.py"])
-    checks = {what: ok for what, ok, _ in run_matrix.run_case("dp2", iters, str(tmp_path), Slots())["checks"]}
+    use_launch(monkeypatch, fake_launch, "scripts/pretrain_gpt_mock.py")
+    checks = {what: ok for what, ok, _ in run_matrix.run_case("dp2", iters, str(tmp_path), InlineSlots())["checks"]}
     assert checks["finetune: ran"] is False
     assert not any(what.startswith("finetune:") for what in checks if what != "finetune: ran")
     assert checks["no_load_optim: losses identical with and without offload"]
