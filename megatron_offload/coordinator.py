@@ -387,9 +387,9 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         collects that generation once the objects moved there since its last full collection
         exceed a quarter of those that survived it; in a process whose last full collection came
         early in start-up, the plugin's setup brings that moment into the training iterations, and
-        a full collection of a training process's heap stalls that iteration.
-        Collected here, in an iteration of start-up, the count starts again from the whole heap
-        (see [Note: garbage collection after setup] in docs/design.md). A loop that turned automatic collection off
+        a full collection of a training process's heap stalls that iteration. Collected here, in an
+        iteration of start-up, the count starts again from the whole heap (see [Note: garbage
+        collection after setup] in docs/design.md). A loop that turned automatic collection off
         (Megatron's --manual-gc) decides its collections itself: nothing is done then."""
         self._setup_collected = True
         if gc.isenabled():
