@@ -314,8 +314,10 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         # Issue 24's streamed step (the stepped chunks leave during the step): the floor to beat.
         streamed = planner.predict(prof, state, streamed=True)
         rows[name]["predicted_ratio_streamed"] = streamed.ratio
+        rows[name]["measured_over_streamed_ms"] = (r["median_ms"] / streamed.iteration_ms if r.get("median_ms") else None)
         print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
-              f"out during the step)")
+              f"out during the step)" + (f"; measured {r['median_ms'] / streamed.iteration_ms - 1:+.1%} of its modelled "
+                                          f"{streamed.iteration_ms:.0f} ms" if r.get("median_ms") else ""))
         if name.startswith("offload-auto") or name.startswith("offload-frac"):
             # Issue 3's automatic mode: bytes off the peak against what the planner calls free
             # (the whole state of the baseline, at <= 0.5 % predicted cost).

@@ -341,3 +341,22 @@ def test_the_automatic_fractions_saving_is_reported_for_every_rank(capsys):
     free = row["planner_free_gib"]
     assert 0 < free and row["saved_of_free_per_rank"] == [pytest.approx(2.0 / free), pytest.approx(1.0 / free)]
     assert f"(per rank: {2.0 / free:.0%} / {1.0 / free:.0%})" in capsys.readouterr().out
+
+
+def test_the_benchmark_also_compares_measured_with_modelled_milliseconds(capsys):
+    """The floor's ratio divides by the baseline's marked phases, the measured ratio by its
+    measured step: milliseconds against the modelled iteration read the floor without that."""
+    benchmark = _benchmark()
+    marks = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 81.0, 20 * GiB),
+             ("bwd_begin", 81.0, 20 * GiB), ("bwd_end", 171.0, 0), ("step_begin", 175.0, 0), ("step_end", 205.0, 0)]
+    timeline = {"iteration": 10, "marks": marks, "step_peak_growth": 0}
+    base = {"timeline": timeline, "timelines": [timeline], "busy_timelines": [], "offloaded_gib": [0]}
+    offload = {"offloaded_gib": [8.0], "ratio": 1.2, "kept_gib": [0], "median_ms": 300.0}
+    row = benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
+    assert row["measured_over_predicted_ms"] == pytest.approx(300.0 / row["predicted_ms"])
+    assert row["measured_over_streamed_ms"] > 0
+    assert f"in ms 300 = {300.0 / row['predicted_ms'] - 1:+.1%} of the modelled" in capsys.readouterr().out
+    # Records without the median (older JSON) print and store no such comparison.
+    del offload["median_ms"]
+    assert benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"][
+        "measured_over_predicted_ms"] is None
