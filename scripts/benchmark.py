@@ -171,6 +171,11 @@ def soak_stats(iterations, warmup, window=100):
             "gc_full_at": [[i + 1, round(it["gc_ms"], 1)] for i, it in enumerate(iterations) if it.get("gc_full")]}
 
 
+def measured_over(result, modelled_ms):
+    """A variant's median step over a modelled iteration (None for records without a median)."""
+    return result["median_ms"] / modelled_ms if result.get("median_ms") else None
+
+
 def summarize(run, warmup):
     ranks = run["ranks"]
     steps = [it["ms"] for it in ranks[0]["iterations"][warmup:]]
@@ -287,7 +292,7 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
                       # The ratios divide by different baselines: the floor by the baseline's marked phases,
                       # the measurement by its measured step (which also holds the host's work between
                       # iterations). Measured over modelled milliseconds reads the floor without that.
-                      "measured_over_predicted_ms": (r["median_ms"] / pred.iteration_ms if r.get("median_ms") else None),
+                      "measured_over_predicted_ms": measured_over(r, pred.iteration_ms),
                       "unchunked_cap_gib": prof.max_unchunked_bytes / planner.GiB,
                       "gbps": gbps, "both_gbps": both_gbps or 2 * gbps}
         also = ""
@@ -310,14 +315,14 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
               f"({pred.iteration_ms:.0f} / {prof.iteration_ms:.0f} ms; {gbps:.1f} GB/s per direction, both "
               f"{both_gbps or 2 * gbps:.1f}){also}; measured {r['ratio']:.3f}x" + (
                   f"; in ms {r['median_ms']:.0f} = {rows[name]['measured_over_predicted_ms'] - 1:+.1%} of the modelled "
-                  f"{pred.iteration_ms:.0f}" if r.get("median_ms") else ""))
+                  f"{pred.iteration_ms:.0f}" if rows[name]["measured_over_predicted_ms"] else ""))
         # Issue 24's streamed step (the stepped chunks leave during the step): the floor to beat.
         streamed = planner.predict(prof, state, streamed=True)
         rows[name]["predicted_ratio_streamed"] = streamed.ratio
-        rows[name]["measured_over_streamed_ms"] = (r["median_ms"] / streamed.iteration_ms if r.get("median_ms") else None)
+        vs_streamed = rows[name]["measured_over_streamed_ms"] = measured_over(r, streamed.iteration_ms)
         print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
-              f"out during the step)" + (f"; measured {r['median_ms'] / streamed.iteration_ms - 1:+.1%} of its modelled "
-                                          f"{streamed.iteration_ms:.0f} ms" if r.get("median_ms") else ""))
+              f"out during the step)" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
+                                          f"{streamed.iteration_ms:.0f} ms" if vs_streamed else ""))
         if name.startswith("offload-auto") or name.startswith("offload-frac"):
             # Issue 3's automatic mode: bytes off the peak against what the planner calls free
             # (the whole state of the baseline, at <= 0.5 % predicted cost).

@@ -255,7 +255,7 @@ def _gc_timer(phase, info):
         _GC_CLOCK[0] += (time.perf_counter() - _GC_CLOCK[1]) * 1e3
         _GC_CLOCK[1] = None
         gen = info.get("generation")
-        _GC_COUNTS[("gc_gen0", "gc_gen1", "gc_full")[min(gen, 2)] if gen is not None else "gc_gen0"] += 1
+        _GC_COUNTS[("gc_gen0", "gc_gen1", "gc_full")[min(gen or 0, 2)]] += 1
         if gen == 2:
             _GC_COUNTS["gc_full_collected"] += info.get("collected", 0)
 
