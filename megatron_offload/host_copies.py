@@ -53,6 +53,7 @@ class HostCopies:
             # storage is re-allocated: keep them for `hide_host_copies`.
             chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
+            self._scales_to_host(chunk)
             chunk.on_host = True
         if for_async_writer:
             self._point_at_snapshots(chunks)
@@ -72,21 +73,34 @@ class HostCopies:
         for st, copy in zip(large, copies or []):
             st.tensor.data = copy
 
-    def host_reads_supported(self) -> bool:
-        """Whether a reader (a checkpoint save) can read the offloaded state on the host
-        (`expose_host_copies`). Not with Transformer Engine FusedAdam states kept in fp16 (moments
-        with --exp-avg-dtype/--exp-avg-sq-dtype fp16, masters with --main-params-dtype fp16): TE
-        stores them scaled, and every reader unscales them with `get_unscaled_state` (TE's own
-        `state_dict`, megatron-core's `_get_main_param_and_optimizer_states`), which multiplies
-        the state by its scale in `optimizer._scales`: a GPU tensor beside the state, not
-        offloaded. A CPU state times a GPU scale fails. Those readers get the state back instead.
-        fp32 and bf16 states are read as they are (TE's `get_unscaled_state` only casts them)."""
-        inner = getattr(self.dist_opt, "optimizer", None)
-        dtypes = getattr(inner, "name_to_dtype_map", None)
-        if not isinstance(dtypes, dict) or not callable(getattr(inner, "get_unscaled_state", None)):
-            return True
-        keys = ["exp_avg", "exp_avg_sq"] + (["master_param"] if getattr(inner, "master_weights", False) else [])
-        return all(dtypes.get(key, torch.float32) in (torch.float32, torch.bfloat16) for key in keys)
+    def _scales_to_host(self, chunk) -> None:
+        """Host copies of the scales that readers multiply `chunk`'s tensors by, while the chunk is
+        read on the host. Transformer Engine's FusedAdam stores fp16 states (moments with
+        --exp-avg-dtype/--exp-avg-sq-dtype fp16, masters with --main-params-dtype fp16) scaled,
+        and every reader unscales them with `get_unscaled_state` (TE's own `state_dict`,
+        megatron-core's `_get_main_param_and_optimizer_states`): `state.float().mul_(scale)`,
+        the scale an fp32 `[1]` tensor in `optimizer._scales[param][key]` on the GPU, which a
+        host tensor cannot be multiplied by. With a host copy of the scale the reader multiplies
+        on the host; one fp32 multiply rounds the same there, so the save is bit-identical.
+        Invariant: the GPU scales are back (`_scales_back`) before the chunk is reloaded or
+        hidden, i.e. before any step, which updates them on the GPU; a step that found a host
+        scale would fail loudly, never compute silently with a stale one."""
+        scales = getattr(getattr(self.dist_opt, "optimizer", None), "_scales", None)
+        if not isinstance(scales, dict):
+            return
+        for st in chunk.tensors:
+            per_param = scales.get(st.param) if st.param is not None else None
+            key = st.name.rsplit(".", 1)[1]
+            if per_param and key in per_param:
+                chunk.gpu_scales.append((per_param, key, per_param[key]))
+                per_param[key] = per_param[key].to("cpu", copy=True)
+
+    @staticmethod
+    def _scales_back(chunk) -> None:
+        """Undo `_scales_to_host`: the very scale tensors the optimizer created, on the GPU."""
+        for per_param, key, scale in chunk.gpu_scales:
+            per_param[key] = scale
+        chunk.gpu_scales = []
 
     def host_writes_supported(self) -> bool:
         """Whether a writer of the whole state (a torch_dist checkpoint load) can run
@@ -157,6 +171,7 @@ class HostCopies:
         for chunk in chunks:
             for st, view in zip(chunk.tensors, chunk.gpu_views):
                 st.tensor.data = view
+            self._scales_back(chunk)
             chunk.gpu_views = None
             chunk.on_host = False
         return len(chunks)

@@ -47,8 +47,6 @@ class StateAccess:
         # DistributedOptimizer of a chain) are independent.
         enclosing = [kind for o, kind in self._accesses if o is off]
         on_host = (enclosing[-1] is not Access.GPU) if enclosing else host_copies_ok
-        # TE's fp16 states are read through a GPU scale (`host_reads_supported`).
-        on_host = on_host and off.host_reads_supported()
         if on_host and not will_modify:
             kind = Access.HOST_READ
             started = time.perf_counter()
@@ -69,10 +67,6 @@ class StateAccess:
             self._trace(f"host_write:{off.name}")
         else:
             kind = Access.GPU
-            if self.config.async_saves and host_copies_ok and not will_modify and not enclosing:
-                # (validation refuses --async-save with TE's fp16 states; a custom loop may not)
-                logger.warning("megatron-offload: an asynchronous save reads %s's state on the GPU (TE fp16 "
-                               "states): the checkpoint worker keeps that memory until its write is done", off.name)
             self._take_back(off, will_modify)
         self._suspended += 1
         self._accesses.append((off, kind))

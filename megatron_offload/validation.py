@@ -29,11 +29,6 @@ def _is_fp8_dtype(value) -> bool:
 
 # The optimizer-state dtype flags of the precision-aware optimizer (flag, args attribute).
 MOMENT_DTYPE_FLAGS = (("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"))
-STATE_DTYPE_FLAGS = (("--main-params-dtype", "main_params_dtype"),) + MOMENT_DTYPE_FLAGS
-
-
-def _is_fp16_dtype(value) -> bool:
-    return value is not None and str(value).lower() in ("fp16", "torch.float16", "float16")
 
 
 def problems(args) -> List[str]:
@@ -119,16 +114,6 @@ def problems(args) -> List[str]:
             "schedule functions the plugin paces itself by, so the state would never leave the GPU. "
             f"Drop one of them."
         )
-    # (megatron-core saves synchronously without the persistent worker, and says so)
-    if (_get(args, "async_save", False) and _get(args, "use_persistent_ckpt_worker", False)
-            and _get(args, "use_precision_aware_optimizer", False)):
-        fp16 = [flag for flag, name in STATE_DTYPE_FLAGS if _is_fp16_dtype(_get(args, name))]
-        if fp16:
-            out.append(
-                f"{FLAG} cannot be combined with --async-save and fp16 optimizer states ({', '.join(fp16)} fp16): "
-                "a save reads Transformer Engine's scaled fp16 states on the GPU, and the asynchronous "
-                "checkpoint worker would keep that GPU memory until its write is done. Use synchronous saves, "
-                "fp32 or bf16 states, or drop one of the flags.")
     return out
 
 

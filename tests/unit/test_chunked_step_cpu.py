@@ -516,7 +516,8 @@ def test_the_chunked_steps_own_frees_do_not_make_the_host_wait():
 def test_a_save_right_after_a_chunked_step_reads_the_sent_out_chunks_from_the_host(name):
     """What the GPU test does under copy-stream delays: the chunked step leaves chunks OFFLOADED,
     and a save (host copies allowed) reads them on the host, every byte as without offloading.
-    (TE's fp16 moments are read through a GPU scale: that save takes them back instead.)"""
+    TE's fp16 states are unscaled by a scale beside them: while read on the host, that scale is a
+    host copy of it, and the optimizer's own scale tensor is back before the next step."""
     from test_offloader_cpu import make_coord
 
     ref, opt = CHUNKED_FACTORIES[name](), CHUNKED_FACTORIES[name]()
@@ -530,13 +531,22 @@ def test_a_save_right_after_a_chunked_step_reads_the_sent_out_chunks_from_the_ho
         ref.step()
         chunked_iteration(opt, coord, step, level=level)
     off_gpu = coord.bytes_in(ChunkState.OFFLOADED)
+    scales = getattr(opt.optimizer, "_scales", {})
+    before = {(id(p), k): t for p, d in scales.items() for k, t in d.items()}
     with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
-        on_host = sum(c.on_host for off in coord.offloaders for c in off.chunks)
+        on_host = [c for off in coord.offloaders for c in off.chunks if c.on_host]
         saved = snapshot(opt)
-    host_reads = not name.endswith("fp16-moments")
-    assert coord.offloaders[0].host_reads_supported() == host_reads
-    assert off_gpu > 0 and (on_host > 0) == host_reads, (off_gpu, on_host)
+        swapped = {(id(d), k) for c in on_host for d, k, _ in c.gpu_scales}
+        # (the stand-in's scales live on the CPU already; TE's on the GPU: copies either way)
+        assert all(d[k] is not before[(id(p), k)] and d[k].device.type == "cpu"
+                   for p, d in scales.items() for k in d if (id(d), k) in swapped)
+    assert off_gpu > 0 and on_host, off_gpu
+    # (TE keeps a scale for every state that is not fp32; only fp16 ones are unscaled by it)
+    assert bool(swapped) == any(scales.values()) == ("fp16" in name or "bf16" in name), (name, len(swapped))
     assert_bitwise_equal(snapshot(ref), saved)
+    coord.forward_begin(True)  # (the reader is done: hide_host_copies)
+    assert all(t is before[(id(p), k)] for p, d in scales.items() for k, t in d.items())
+    assert not any(c.gpu_scales for off in coord.offloaders for c in off.chunks)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])

@@ -1425,12 +1425,13 @@ def test_a_te_checkpoint_load_rebuilds_the_state_which_is_sent_out_again(config)
 
 
 @pytest.mark.parametrize("moments", ["bf16", "fp16"])
-def test_a_te_save_reads_the_host_copies_unless_unscaling_needs_a_gpu_scale(moments):
+def test_a_te_save_reads_the_host_copies_with_host_copies_of_the_scales(moments):
     """A save reads TE's state through `get_unscaled_state` (TE's `state_dict`, megatron-core's
-    `_get_main_param_and_optimizer_states`). bf16 moments (and fp32 masters) are only cast: read on
-    the host copies, nothing comes back. fp16 moments are multiplied by their scale, a GPU tensor
-    in `optimizer._scales` that is never offloaded: on the GPU a host copy times it fails ("Expected
-    all tensors to be on the same device"), so the save gets the state back first."""
+    `_get_main_param_and_optimizer_states`). bf16 moments (and fp32 masters) are only cast; fp16
+    moments are multiplied by their scale, a `[1]` tensor in `optimizer._scales` kept on the GPU,
+    which a host copy cannot be multiplied by. So while the state is read on the host the scales are
+    host copies (never the optimizer's own tensors), and the optimizer's own are back before the
+    next step: every read on the host, nothing comes back to the GPU, every byte as without us."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[moments]
     ref, opt = FakePrecisionAwareDistOpt(moment_dtype=dtype), FakePrecisionAwareDistOpt(moment_dtype=dtype)
     te_checkpoint_api(ref)
@@ -1440,10 +1441,14 @@ def test_a_te_save_reads_the_host_copies_unless_unscaling_needs_a_gpu_scale(mome
         one_iteration(opt, coord, step)
     coord.forward_begin(True)
     coord.forward_end()  # all of it off the GPU
+    own = {(id(p), k): t for p, d in opt.optimizer._scales.items() for k, t in d.items()}
+    assert {k for _, k in own} == {"exp_avg", "exp_avg_sq"}
     reads, unscale = [], opt.optimizer.get_unscaled_state
 
     def watched(param, state_name, skip_unscale=False):
-        reads.append((state_name, any(c.on_host for c in off.chunks)))
+        scale = opt.optimizer._scales.get(param, {}).get(state_name)
+        own_scale = scale is not None and scale is own[(id(param), state_name)]
+        reads.append((state_name, any(c.on_host for c in off.chunks), own_scale))
         return unscale(param, state_name, skip_unscale)
 
     opt.optimizer.get_unscaled_state = watched
@@ -1452,16 +1457,13 @@ def test_a_te_save_reads_the_host_copies_unless_unscaling_needs_a_gpu_scale(mome
     expected = ref.sharded_state_dict({})
     for i in expected:
         assert_bitwise_equal(saved[i], expected[i])
-    assert reads and {name for name, _ in reads} == {"exp_avg", "exp_avg_sq", "master_param"}
-    if moments == "bf16":
-        assert all(on_host for _, on_host in reads)
-        assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
-    else:
-        assert not any(on_host for _, on_host in reads)
-        assert coord.streams.stats.cumulative_h2d_bytes > h2d
+    assert reads and {name for name, _, _ in reads} == {"exp_avg", "exp_avg_sq", "master_param"}
+    assert all(on_host and not own_scale for _, on_host, own_scale in reads), reads
+    assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
     coord.forward_begin(True)
+    assert all(t is own[(id(p), k)] for p, d in opt.optimizer._scales.items() for k, t in d.items())
     coord.forward_end()
-    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes  # sent out again either way
+    assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
     for step in range(2, 4):
         one_iteration(ref, None, step)
         one_iteration(opt, coord, step)
