@@ -134,7 +134,7 @@ class Chunk:
         # reload (`hide_host_copies`, `start_copy_in`).
         self.on_host = False
         self.gpu_views: Optional[List[torch.Tensor]] = None  # the tensors' GPU views while on_host
-        # (scales dict, key, GPU scale) of TE's scaled states while on_host (`_scales_to_host`)
+        # (scales dict, key, GPU scale, host copy) of TE's fp16 states while on_host (`_scales_to_host`)
         self.gpu_scales: List[tuple] = []
 
     def move_to(self, state: ChunkState) -> None:

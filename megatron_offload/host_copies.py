@@ -30,7 +30,8 @@ class HostCopies:
         `for_async_writer` spares the writer that copy (and its worker queue's second one): large
         tensors point at shared-memory snapshots of their host copies instead
         (save_snapshot.SaveSnapshots), which it maps as they are. `repoint` (a writer): chunks
-        exposed already point at their host copies again first (below)."""
+        exposed already point at their host copies again first (below). Readers that unscale
+        TE's fp16 states get host copies of the scales too (`_scales_to_host`)."""
         offloaded = self.chunks_in(ChunkState.OFFLOADED)
         if repoint:
             # Chunks still exposed to an earlier asynchronous save may point at its snapshots,
@@ -51,9 +52,10 @@ class HostCopies:
         for chunk in chunks:
             # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
             # storage is re-allocated: keep them for `hide_host_copies`.
+            # (the scales first: their device copy may fail, before anything points at the host)
+            self._scales_to_host(chunk)
             chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
-            self._scales_to_host(chunk)
             chunk.on_host = True
         if for_async_writer:
             self._point_at_snapshots(chunks)
@@ -81,25 +83,40 @@ class HostCopies:
         megatron-core's `_get_main_param_and_optimizer_states`): `state.float().mul_(scale)`,
         the scale an fp32 `[1]` tensor in `optimizer._scales[param][key]` on the GPU, which a
         host tensor cannot be multiplied by. With a host copy of the scale the reader multiplies
-        on the host; one fp32 multiply rounds the same there, so the save is bit-identical.
-        Invariant: the GPU scales are back (`_scales_back`) before the chunk is reloaded or
-        hidden, i.e. before any step, which updates them on the GPU; a step that found a host
-        scale would fail loudly, never compute silently with a stale one."""
-        scales = getattr(getattr(self.dist_opt, "optimizer", None), "_scales", None)
-        if not isinstance(scales, dict):
+        on the host; one fp32 multiply rounds the same there, so the save is bit-identical. (TE
+        keeps scales for bf16 states too but never reads them outside its step: those stay.)
+        Invariant: the optimizer's own scale tensors are back (`_scales_back`) whenever the chunk
+        stops being on the host (reload or hide), i.e. before any step, which updates them on
+        the GPU; a step that met a host scale would fail loudly, never use a stale one."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        scales, dtypes = getattr(inner, "_scales", None), getattr(inner, "name_to_dtype_map", None)
+        if not isinstance(scales, dict) or not isinstance(dtypes, dict):
             return
+        assert not chunk.gpu_scales, chunk  # (never swapped twice: a copy is not the scale to restore)
+        found = []
         for st in chunk.tensors:
-            per_param = scales.get(st.param) if st.param is not None else None
             key = st.name.rsplit(".", 1)[1]
-            if per_param and key in per_param:
-                chunk.gpu_scales.append((per_param, key, per_param[key]))
-                per_param[key] = per_param[key].to("cpu", copy=True)
+            per_param = scales.get(st.param) if st.param is not None else None
+            if dtypes.get(key) == torch.float16 and per_param and key in per_param:
+                found.append((per_param, key, per_param[key]))
+        if not found:
+            return
+        # One device-to-host copy for all of them, then installed together.
+        flat = torch.cat([scale.reshape(-1) for _, _, scale in found]).cpu()
+        copies = [c.view(scale.shape) for c, (_, _, scale) in
+                  zip(flat.split([scale.numel() for _, _, scale in found]), found)]
+        for (per_param, key, scale), copy in zip(found, copies):
+            per_param[key] = copy
+            chunk.gpu_scales.append((per_param, key, scale, copy))
 
     @staticmethod
     def _scales_back(chunk) -> None:
-        """Undo `_scales_to_host`: the very scale tensors the optimizer created, on the GPU."""
-        for per_param, key, scale in chunk.gpu_scales:
-            per_param[key] = scale
+        """Undo `_scales_to_host`: the very scale tensors the optimizer made, on the GPU. (A scale
+        that something replaced meanwhile, e.g. an optimizer load outside the plugin's wrappers,
+        is newer than ours: it stays.)"""
+        for per_param, key, scale, copy in chunk.gpu_scales:
+            if per_param.get(key) is copy:
+                per_param[key] = scale
         chunk.gpu_scales = []
 
     def host_writes_supported(self) -> bool:
@@ -166,7 +183,8 @@ class HostCopies:
         `DistributedOptimizer.step` assigns each master its `.grad` (a CUDA tensor) before the
         inner step reloads it, which fails on a CPU view (the first step after a save, with a
         chunked step whose budget leaves chunks off; see [Note: host views and .grad] in
-        docs/design.md). Returns the number of chunks hidden."""
+        docs/design.md). The optimizer's own scales come back too (`_scales_back`). Returns the
+        number of chunks hidden."""
         chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if c.on_host]
         for chunk in chunks:
             for st, view in zip(chunk.tensors, chunk.gpu_views):

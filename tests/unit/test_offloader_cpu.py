@@ -1424,16 +1424,33 @@ def test_a_te_checkpoint_load_rebuilds_the_state_which_is_sent_out_again(config)
             assert_bitwise_equal(snapshot(plain), snapshot(ref))
 
 
-@pytest.mark.parametrize("moments", ["bf16", "fp16"])
-def test_a_te_save_reads_the_host_copies_with_host_copies_of_the_scales(moments):
+TE_SCALED = {"bf16-moments": dict(moment_dtype=torch.bfloat16), "fp16-moments": dict(moment_dtype=torch.float16),
+             "fp16-master": dict(master_weight_dtype=torch.float16),
+             "fp16-exp_avg-only": dict(exp_avg_dtype=torch.float16)}
+
+
+def te_scaled(config):
+    kw = dict(TE_SCALED[config])
+    if "moment_dtype" not in kw and "exp_avg_dtype" in kw:  # (one moment fp16, the other fp32)
+        kw = dict(exp_avg_dtype=kw["exp_avg_dtype"], exp_avg_sq_dtype=torch.float32)
+    return FakePrecisionAwareDistOpt(**kw)
+
+
+def holder(off, tensor):
+    """The chunk of `off` that holds `tensor`."""
+    (chunk,) = [c for c in off.chunks if any(st.tensor is tensor for st in c.tensors)]
+    return chunk
+
+
+@pytest.mark.parametrize("config", list(TE_SCALED))
+def test_a_te_save_reads_the_host_copies_with_host_copies_of_the_scales(config):
     """A save reads TE's state through `get_unscaled_state` (TE's `state_dict`, megatron-core's
-    `_get_main_param_and_optimizer_states`). bf16 moments (and fp32 masters) are only cast; fp16
-    moments are multiplied by their scale, a `[1]` tensor in `optimizer._scales` kept on the GPU,
-    which a host copy cannot be multiplied by. So while the state is read on the host the scales are
-    host copies (never the optimizer's own tensors), and the optimizer's own are back before the
+    `_get_main_param_and_optimizer_states`). bf16 states (and fp32 masters) are only cast; fp16
+    ones are multiplied by their scale, a `[1]` tensor in `optimizer._scales` kept on the GPU,
+    which a host copy cannot be multiplied by. So while an fp16 state is read on the host its scale
+    is a host copy (never the optimizer's own tensor), and the optimizer's own are back before the
     next step: every read on the host, nothing comes back to the GPU, every byte as without us."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[moments]
-    ref, opt = FakePrecisionAwareDistOpt(moment_dtype=dtype), FakePrecisionAwareDistOpt(moment_dtype=dtype)
+    ref, opt = te_scaled(config), te_scaled(config)
     te_checkpoint_api(ref)
     coord, off = te_offloaded(opt)
     for step in range(2):
@@ -1441,33 +1458,71 @@ def test_a_te_save_reads_the_host_copies_with_host_copies_of_the_scales(moments)
         one_iteration(opt, coord, step)
     coord.forward_begin(True)
     coord.forward_end()  # all of it off the GPU
-    own = {(id(p), k): t for p, d in opt.optimizer._scales.items() for k, t in d.items()}
-    assert {k for _, k in own} == {"exp_avg", "exp_avg_sq"}
-    reads, unscale = [], opt.optimizer.get_unscaled_state
+    inner = opt.optimizer
+    own = {(id(p), k): t for p, d in inner._scales.items() for k, t in d.items()}
+    fp16 = {k for k, dtype in inner.name_to_dtype_map.items() if dtype == torch.float16}
+    assert own and ({k for _, k in own} >= fp16)
+    reads, unscale = [], inner.get_unscaled_state
 
     def watched(param, state_name, skip_unscale=False):
-        scale = opt.optimizer._scales.get(param, {}).get(state_name)
-        own_scale = scale is not None and scale is own[(id(param), state_name)]
-        reads.append((state_name, any(c.on_host for c in off.chunks), own_scale))
+        on_host = holder(off, inner.state[param][state_name]).on_host
+        scale = inner._scales.get(param, {}).get(state_name)
+        # fp16: a host copy; anything else: untouched (the optimizer's own, or none)
+        right_scale = ((scale is not own[(id(param), state_name)] and scale.device.type == "cpu")
+                       if state_name in fp16 else (scale is own.get((id(param), state_name))))
+        reads.append((state_name, on_host, right_scale))
         return unscale(param, state_name, skip_unscale)
 
-    opt.optimizer.get_unscaled_state = watched
+    inner.get_unscaled_state = watched
     h2d = coord.streams.stats.cumulative_h2d_bytes
     saved = opt.sharded_state_dict({})
     expected = ref.sharded_state_dict({})
     for i in expected:
         assert_bitwise_equal(saved[i], expected[i])
     assert reads and {name for name, _, _ in reads} == {"exp_avg", "exp_avg_sq", "master_param"}
-    assert all(on_host and not own_scale for _, on_host, own_scale in reads), reads
+    assert all(on_host and right for _, on_host, right in reads), reads
     assert coord.streams.stats.cumulative_h2d_bytes == h2d  # nothing came back
     coord.forward_begin(True)
-    assert all(t is own[(id(p), k)] for p, d in opt.optimizer._scales.items() for k, t in d.items())
+    assert all(t is own[(id(p), k)] for p, d in inner._scales.items() for k, t in d.items())
+    assert not any(c.gpu_scales for c in off.chunks)
     coord.forward_end()
     assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes
     for step in range(2, 4):
         one_iteration(ref, None, step)
         one_iteration(opt, coord, step)
         assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+
+
+@pytest.mark.parametrize("then", ["gpu_reader", "writer"])
+def test_a_reader_after_a_host_read_of_te_fp16_states_gets_the_optimizers_own_scales(then):
+    """After a save read fp16 states on the host (their scales swapped for host copies), anything
+    that takes the state back before the next forward (a reader on the GPU, a writer) reloads the
+    chunks: the optimizer's own scale tensors come back with them, so that reader and the next step
+    see TE's scales, and training stays bit-exact."""
+    ref, opt = te_scaled("fp16-moments"), te_scaled("fp16-moments")
+    te_checkpoint_api(ref)
+    coord, off = te_offloaded(opt)
+    for step in range(2):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    coord.forward_begin(True)
+    coord.forward_end()
+    inner = opt.optimizer
+    own = {(id(p), k): t for p, d in inner._scales.items() for k, t in d.items()}
+    opt.sharded_state_dict({})  # a save: on the host, scales swapped
+    assert any(c.on_host and c.gpu_scales for c in off.chunks)
+
+    def own_scales():
+        return (all(t is own[(id(p), k)] for p, d in inner._scales.items() for k, t in d.items())
+                and not any(c.gpu_scales for c in off.chunks))
+
+    with coord.state_access([off], will_modify=then == "writer"):
+        assert own_scales()
+    for step in range(2, 4):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    assert own_scales()
 
 
 @pytest.mark.parametrize("case", ["fp32-params", "fraction", "fused", "te", "host-loads-off"])
