@@ -12,7 +12,9 @@
 #   8. optionally `sweep` (scripts/sweep.py, SWEEP_ARGS) and `maxfit` (scripts/max_fit.py, MAXFIT_ARGS),
 #   8b. optionally `readprobe` (benchmarks/tools/read_behind_copy_probe.py: a read behind the copy-out),
 #   9. optionally `phase` (benchmarks/tools/phase_switch_bench.py, PHASE_ARGS: phase switches, three ways)
-#      and `demo` (scripts/demo.py, DEMO_ARGS).
+#      and `demo` (scripts/demo.py, DEMO_ARGS),
+#  10. optionally `asyncprobe` (benchmarks/tools/async_save_probe.py, ASYNCPROBE_ARGS: an async save's
+#      blocked time by the form of the tensors it reads).
 # Logs go to $OUT (or /tmp/megatron_offload_gpu): gpu_unit.log, functional.log, benchmark.log,
 # *.json summaries and logs.tgz (every run log and record, benchmark plots; no checkpoints).
 #
@@ -140,6 +142,10 @@ for stage in $STAGES; do
         CUDA_DEVICE_MAX_CONNECTIONS=$conn within_budget python3 benchmarks/tools/read_behind_copy_probe.py \
           --out "$OUT/read_probe_conn$conn.json" ${READPROBE_ARGS:-} 2>&1 | tee -a "$OUT/read_probe.log" || status=1
       done ;;
+    asyncprobe)
+      # shellcheck disable=SC2086
+      within_budget python3 benchmarks/tools/async_save_probe.py --out "$OUT/async_save_probe.json" ${ASYNCPROBE_ARGS:-} \
+        2>&1 | tee "$OUT/async_save_probe.log" || status=1 ;;
     hostprobe)
       within_budget python3 benchmarks/tools/host_memory_probe.py --out "$OUT/host_probe.json" ${HOSTPROBE_ARGS:-} 2>&1 \
         | tee "$OUT/host_probe.log" || status=1 ;;
