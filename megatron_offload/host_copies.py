@@ -50,10 +50,10 @@ class HostCopies:
             # them before the chunks were freed; the host never did.
             self.streams.d2h.synchronize()
         for chunk in chunks:
+            # The scales first: their device copy may fail, before anything points at the host.
+            self._scales_to_host(chunk)
             # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
             # storage is re-allocated: keep them for `hide_host_copies`.
-            # (the scales first: their device copy may fail, before anything points at the host)
-            self._scales_to_host(chunk)
             chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
             chunk.on_host = True
@@ -103,11 +103,9 @@ class HostCopies:
             return
         # One device-to-host copy for all of them, then installed together.
         flat = torch.cat([scale.reshape(-1) for _, _, scale in found]).cpu()
-        copies = [c.view(scale.shape) for c, (_, _, scale) in
-                  zip(flat.split([scale.numel() for _, _, scale in found]), found)]
-        for (per_param, key, scale), copy in zip(found, copies):
-            per_param[key] = copy
-            chunk.gpu_scales.append((per_param, key, scale, copy))
+        for (per_param, key, scale), piece in zip(found, flat.split([scale.numel() for _, _, scale in found])):
+            per_param[key] = piece.view(scale.shape)
+            chunk.gpu_scales.append((per_param, key, scale, per_param[key]))
 
     @staticmethod
     def _scales_back(chunk) -> None:

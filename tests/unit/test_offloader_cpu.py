@@ -1436,6 +1436,20 @@ def te_scaled(config):
     return FakePrecisionAwareDistOpt(**kw)
 
 
+def te_scaled_all_off(config):
+    """(ref, opt, coord, off): a TE stand-in and its twin under the plugin, two steps taken, then
+    a first forward that sends all of the twin's state off the GPU."""
+    ref, opt = te_scaled(config), te_scaled(config)
+    te_checkpoint_api(ref)
+    coord, off = te_offloaded(opt)
+    for step in range(2):
+        one_iteration(ref, None, step)
+        one_iteration(opt, coord, step)
+    coord.forward_begin(True)
+    coord.forward_end()
+    return ref, opt, coord, off
+
+
 def holder(off, tensor):
     """The chunk of `off` that holds `tensor`."""
     (chunk,) = [c for c in off.chunks if any(st.tensor is tensor for st in c.tensors)]
@@ -1450,14 +1464,7 @@ def test_a_te_save_reads_the_host_copies_with_host_copies_of_the_scales(config):
     which a host copy cannot be multiplied by. So while an fp16 state is read on the host its scale
     is a host copy (never the optimizer's own tensor), and the optimizer's own are back before the
     next step: every read on the host, nothing comes back to the GPU, every byte as without us."""
-    ref, opt = te_scaled(config), te_scaled(config)
-    te_checkpoint_api(ref)
-    coord, off = te_offloaded(opt)
-    for step in range(2):
-        one_iteration(ref, None, step)
-        one_iteration(opt, coord, step)
-    coord.forward_begin(True)
-    coord.forward_end()  # all of it off the GPU
+    ref, opt, coord, off = te_scaled_all_off(config)
     inner = opt.optimizer
     own = {(id(p), k): t for p, d in inner._scales.items() for k, t in d.items()}
     fp16 = {k for k, dtype in inner.name_to_dtype_map.items() if dtype == torch.float16}
@@ -1499,14 +1506,7 @@ def test_a_reader_after_a_host_read_of_te_fp16_states_gets_the_optimizers_own_sc
     that takes the state back before the next forward (a reader on the GPU, a writer) reloads the
     chunks: the optimizer's own scale tensors come back with them, so that reader and the next step
     see TE's scales, and training stays bit-exact."""
-    ref, opt = te_scaled("fp16-moments"), te_scaled("fp16-moments")
-    te_checkpoint_api(ref)
-    coord, off = te_offloaded(opt)
-    for step in range(2):
-        one_iteration(ref, None, step)
-        one_iteration(opt, coord, step)
-    coord.forward_begin(True)
-    coord.forward_end()
+    ref, opt, coord, off = te_scaled_all_off("fp16-moments")
     inner = opt.optimizer
     own = {(id(p), k): t for p, d in inner._scales.items() for k, t in d.items()}
     opt.sharded_state_dict({})  # a save: on the host, scales swapped
