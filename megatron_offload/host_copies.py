@@ -99,13 +99,11 @@ class HostCopies:
             per_param = scales.get(st.param) if st.param is not None else None
             if dtypes.get(key) == torch.float16 and per_param and key in per_param:
                 found.append((per_param, key, per_param[key]))
-        if not found:
-            return
-        # One device-to-host copy for all of them, then installed together.
-        flat = torch.cat([scale.reshape(-1) for _, _, scale in found]).cpu()
-        for (per_param, key, scale), piece in zip(found, flat.split([scale.numel() for _, _, scale in found])):
-            per_param[key] = piece.view(scale.shape)
-            chunk.gpu_scales.append((per_param, key, scale, per_param[key]))
+        # Every copy made before any is installed (a failing copy leaves none swapped).
+        copies = [scale.to("cpu", copy=True) for _, _, scale in found]
+        for (per_param, key, scale), copy in zip(found, copies):
+            per_param[key] = copy
+            chunk.gpu_scales.append((per_param, key, scale, copy))
 
     @staticmethod
     def _scales_back(chunk) -> None:
