@@ -24,6 +24,7 @@ runs megatron-core's CUDA calls as no-ops (a sitecustomize for the probe and its
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -100,9 +101,8 @@ def one_form(form: str, mib: int, count: int, saves: int) -> dict:
     queue.close()
     dist.destroy_process_group()
     later = rows[1:] or rows
-    median = lambda key: sorted(r[key] for r in later)[len(later) // 2]  # noqa: E731
     return {"form": form, "mib": mib, "tensors": count, "first": rows[0],
-            "median_later": {k: median(k) for k in rows[0]}}
+            "median_later": {k: statistics.median(r[k] for r in later) for k in rows[0]}}
 
 
 def main(argv=None) -> int:
