@@ -248,6 +248,79 @@ _GC_CLOCK = [0.0, None]
 _GC_COUNTS = {"gc_gen0": 0, "gc_gen1": 0, "gc_full": 0, "gc_full_collected": 0}
 
 
+def _tensor_forms(state):
+    """Count and bytes of the tensors a sharded state dict hands to dist-checkpointing, by form:
+    `cuda`, `cpu_shared` (a whole shared-memory storage: the worker maps it), `cpu_view` (part of a
+    larger storage: cloned while training waits), `cpu_private` (a whole private storage: the
+    worker's queue moves it into shared memory), and `factories` (built inside the save)."""
+    forms = {}
+
+    def add(form, nbytes):
+        count, total = forms.get(form, (0, 0))
+        forms[form] = (count + 1, total + nbytes)
+
+    def walk(x):
+        if isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(getattr(x, "data", None), torch.Tensor):
+            t = x.data
+            nbytes = t.numel() * t.element_size()
+            if t.is_cuda:
+                add("cuda", nbytes)
+            elif t.untyped_storage().nbytes() != nbytes:
+                add("cpu_view", nbytes)
+            else:
+                add("cpu_shared" if t.is_shared() else "cpu_private", nbytes)
+        elif type(x).__name__ == "ShardedTensorFactory":
+            add("factories", 0)
+
+    walk(state)
+    return {k: {"count": c, "bytes": b} for k, (c, b) in forms.items()}
+
+
+@contextlib.contextmanager
+def _save_parts():
+    """Seconds of one `save_checkpoint` spent in building the state dict, in dist_checkpointing.save
+    (planning, metadata exchange, clones of views) and in scheduling the asynchronous request (the
+    worker queue's pickling and the worker's preload, which training waits for), with the forms of
+    the tensors saved (`_tensor_forms`)."""
+    import megatron.core.dist_checkpointing as dc
+    import megatron.training.checkpointing as ckpt
+
+    parts = {"state_dict_s": 0.0, "dist_save_s": 0.0, "schedule_s": 0.0}
+    originals = {}
+
+    def timed(module, name, key, census=False):
+        fn = getattr(module, name, None)
+        if fn is None:
+            return
+        originals[(module, name)] = fn
+
+        def wrapper(*a, **k):
+            if census:
+                state = a[0] if a else k.get("sharded_state_dict")
+                parts["forms"] = _tensor_forms(state)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[key] += time.perf_counter() - t
+        setattr(module, name, wrapper)
+
+    timed(ckpt, "generate_state_dict", "state_dict_s")
+    timed(dc, "save", "dist_save_s", census=True)
+    timed(ckpt, "schedule_async_save", "schedule_s")
+    try:
+        yield parts
+    finally:
+        for (module, name), fn in originals.items():
+            setattr(module, name, fn)
+
+
 def _gc_timer(phase, info):
     if phase == "start":
         _GC_CLOCK[1] = time.perf_counter()
@@ -532,7 +605,8 @@ class Recorder:
             off_gpu = _offloaded_bytes_now()
             prep = _host_read_seconds()
             t0 = time.perf_counter()
-            out = save_checkpoint(*a, **k)
+            with _save_parts() as parts:
+                out = save_checkpoint(*a, **k)
             seconds = time.perf_counter() - t0  # what training waits for (--async-save: the scheduling)
             self.saves.append({"allocated_before": before, "max_allocated": torch.cuda.max_memory_allocated(),
                                "seconds": seconds,
@@ -541,7 +615,9 @@ class Recorder:
                                "snapshot_bytes": _snapshot_bytes(),  # shared memory for async saves, after it
                                "max_reserved": torch.cuda.max_memory_reserved(),
                                "offloaded_before": off_gpu,  # state bytes off the GPU when the save began
-                               "after_iteration": len(self.iterations)})
+                               "after_iteration": len(self.iterations),
+                               # where the time went, and the forms of the tensors the save read
+                               "parts": parts})
             return out
 
         training.train_step = recording_train_step

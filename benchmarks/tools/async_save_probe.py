@@ -4,7 +4,7 @@ tensors take when the save reads them (issue 23: with the plugin a save blocked 
 against 0.09 s without it, of which the plugin's own part was 0.04 s).
 
     python benchmarks/tools/async_save_probe.py [--forms cuda,snapshot,shared,private,view]
-        [--mib 512] [--tensors 96] [--saves 3] [--out probe.json]
+        [--mib 512] [--tensors 96] [--saves 3] [--gap 3] [--out probe.json]
 
 Forms (one process each, since the checkpoint worker persists):
   cuda      GPU tensors (what a save without the plugin reads; the worker copies them out itself);
@@ -17,7 +17,10 @@ Per save (the first starts the worker and is reported apart): `prepare` (making 
 snapshot: the copy into the set), `save` (dist_checkpointing.save: planning, clones), `schedule`
 (AsyncCallsQueue.schedule_async_request: the queue's pickling and the worker's preload, which
 training waits for), and `write` (until the write is finalized). Blocked time in Megatron's
-save_checkpoint is about save + schedule. On a machine without CUDA (`cuda` skipped) the probe
+save_checkpoint is about save + schedule. Saves are `--gap` seconds apart: after each write the
+worker runs a full garbage collection (megatron-core's `async_loop`, 0.2-0.5 s in a process that
+imported torch and megatron), and a save scheduled before it ends waits for it, which training
+never meets with saves minutes apart. On a machine without CUDA (`cuda` skipped) the probe
 runs megatron-core's CUDA calls as no-ops (a sitecustomize for the probe and its worker).
 """
 
@@ -42,7 +45,7 @@ if not torch.cuda.is_available():
 """
 
 
-def one_form(form: str, mib: int, count: int, saves: int) -> dict:
+def one_form(form: str, mib: int, count: int, saves: int, gap: float) -> dict:
     import inspect
     import socket
     import time
@@ -97,6 +100,7 @@ def one_form(form: str, mib: int, count: int, saves: int) -> dict:
             del request, state, tensors
             queue.maybe_finalize_async_calls(blocking=True)
             t4 = time.perf_counter()
+            time.sleep(gap)  # (the worker's collection after the write: module docstring)
             rows.append({"prepare": t1 - t0, "save": t2 - t1, "schedule": t3 - t2, "write": t4 - t3})
     queue.close()
     dist.destroy_process_group()
@@ -111,11 +115,12 @@ def main(argv=None) -> int:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--tensors", type=int, default=96)
     p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--gap", type=float, default=3.0, help="seconds between a save's end and the next save")
     p.add_argument("--out", default=None)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # (a child process: one form)
     opts = p.parse_args(argv)
     if opts.one:
-        print(json.dumps(one_form(opts.one, opts.mib, opts.tensors, opts.saves)))
+        print(json.dumps(one_form(opts.one, opts.mib, opts.tensors, opts.saves, opts.gap)))
         return 0
     import torch
 
@@ -127,7 +132,7 @@ def main(argv=None) -> int:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [site, REPO, os.environ.get("PYTHONPATH")])))
         for form in forms:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", form, "--mib", str(opts.mib),
-                                  "--tensors", str(opts.tensors), "--saves", str(opts.saves)],
+                                  "--tensors", str(opts.tensors), "--saves", str(opts.saves), "--gap", str(opts.gap)],
                                  capture_output=True, text=True, env=env, timeout=900)
             if out.returncode != 0:
                 print(f"{form}: failed\n{out.stderr[-2000:]}", flush=True)

@@ -302,6 +302,14 @@ def main(argv=None):
               + f"{(run.get('host') or {}).get('drop', 0) / 2**30:.2f} | "
               + ", ".join(f"{sv['seconds']:.2f}" + (f" ({sv['plugin_seconds']:.2f} plugin)" if sv.get("plugin_seconds") else "")
                           for sv in run["ranks"][0].get("saves", []) if "seconds" in sv) + " |")
+    for name, run in runs.items():  # where rank 0's save time went, and what its tensors were
+        for sv in run["ranks"][0].get("saves", []):
+            parts = sv.get("parts")
+            if parts:
+                forms = ", ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.0f} MiB)" for k, v in parts.get("forms", {}).items())
+                print(f"{name} save after iteration {sv.get('after_iteration')}: {sv['seconds']:.3f} s = state dict "
+                      f"{parts['state_dict_s']:.3f} + dist save {parts['dist_save_s']:.3f} + schedule "
+                      f"{parts['schedule_s']:.3f} + other; plugin {sv.get('plugin_seconds', 0):.3f}; tensors: {forms}")
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")
     with open(os.path.join(opts.out, "functional_summary.json"), "w") as f:

@@ -275,3 +275,42 @@ def test_digest_of_a_subclass_without_flatten_skips_a_stale_cache():
     assert got == [data.numpy().tobytes(), scale.numpy().tobytes()]
     fresh = list(pretrain_gpt_mock._raw_tensors(Quantized(data, scale, garbage, False)))
     assert fresh == [data.numpy().tobytes(), scale.numpy().tobytes(), garbage.numpy().tobytes()]
+
+
+def test_save_census_tells_the_forms_of_the_saved_tensors():
+    """The save breakdown's census (issue 23): a view of a larger storage, a whole shared
+    storage, a whole private one and a factory are each counted as such."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import pretrain_gpt_mock
+
+    class Sharded:  # stands for ShardedTensor: the tensor is `.data`
+        def __init__(self, data):
+            self.data = data
+
+    class ShardedTensorFactory:
+        pass
+
+    big = torch.zeros(64)
+    state = {"a": Sharded(big[:16]), "b": [Sharded(torch.zeros(8).share_memory_()), Sharded(torch.zeros(4))],
+             "c": {"d": ShardedTensorFactory(), "e": 3}}
+    forms = pretrain_gpt_mock._tensor_forms(state)
+    assert forms == {"cpu_view": {"count": 1, "bytes": 64}, "cpu_shared": {"count": 1, "bytes": 32},
+                     "cpu_private": {"count": 1, "bytes": 16}, "factories": {"count": 1, "bytes": 0}}
+
+
+def test_save_parts_times_each_part_and_puts_the_originals_back():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import megatron.core.dist_checkpointing as dc
+    import megatron.training.checkpointing as ckpt
+    import pretrain_gpt_mock
+
+    def current():
+        return dc.save, ckpt.generate_state_dict, getattr(ckpt, "schedule_async_save", None)
+
+    before = current()
+    with pretrain_gpt_mock._save_parts() as parts:
+        with pytest.raises(TypeError):  # (the wrapper times a failing call too, and re-raises)
+            dc.save()
+        assert current()[0] is not before[0]
+    assert current() == before
+    assert parts["dist_save_s"] > 0 and parts["schedule_s"] == 0 and parts["forms"] == {}
