@@ -4,6 +4,7 @@ and lists every new segment after start-up with the iteration phase and the allo
 needed it, plus the largest allocations (chunks) freed and re-allocated per iteration.
 
     python scripts/alloc_trace.py memhist_rank0.npz [--min-mib 100] [--chunks] [--deferred] [--holes] [--peaks]
+        [--layout-at EVENT]
 
 Needs only numpy (runs anywhere, no GPU).
 """
@@ -107,6 +108,9 @@ def main():
                         "and the largest free hole the request could not use")
     p.add_argument("--peaks", action="store_true",
                    help="per iteration: the highest reserved memory, where it was, and how much of it was free")
+    p.add_argument("--layout-at", type=int, action="append", default=[], metavar="EVENT",
+                   help="the event's stream just before event #EVENT (e.g. a growth --holes lists): live blocks "
+                        "and free holes in address order")
     o = p.parse_args()
     trace = load(o.npz)
     labels = phase_labels(trace)
@@ -140,6 +144,17 @@ def main():
         for i, label, mapped, wanted, free, largest in growth_holes(trace, labels):
             print(f"#{i:7d} {label:24s} mapped {mapped / MIB:6.0f} MiB for a {wanted / MIB:6.1f} MiB request while "
                   f"{free / GIB:.2f} GiB were mapped but free, the largest hole {largest / MIB:.0f} MiB")
+    for event in o.layout_at:
+        print(f"before #{event} ({trace['action'][event]} {trace['size'][event] / MIB:.1f} MiB, {labels[event]}), "
+              f"stream {trace['stream'][event]}:")
+        for start, size, items in layout_at(trace, labels, event):
+            print(f"  mapped {start:#x} {size / MIB:.0f} MiB")
+            for item in items:
+                if item[0] == "hole":
+                    print(f"    hole {item[1] / MIB:8.1f} MiB")
+                else:
+                    print(f"    used {item[1] / MIB:8.1f} MiB in {item[2]} blocks (largest {item[3] / MIB:.1f} MiB), "
+                          f"allocated in {', '.join(item[4][:3])}{' ...' if len(item[4]) > 3 else ''}")
 
 
 def free_holes(live, mapped):
@@ -190,16 +205,71 @@ def growth_holes(trace, labels):
         elif action in MAPS:
             own_mapped.append((addr, addr + size))
         elif action in UNMAPS:
-            kept = []
-            for start, end in own_mapped:  # remove [addr, addr + size)
-                if end <= addr or start >= addr + size:
-                    kept.append((start, end))
-                    continue
-                if start < addr:
-                    kept.append((start, addr))
-                if end > addr + size:
-                    kept.append((addr + size, end))
-            mapped[stream] = kept
+            mapped[stream] = unmap(own_mapped, addr, size)
+    return out
+
+
+def unmap(mapped, addr, size):
+    """`mapped` ([(start, end)]) without [addr, addr + size)."""
+    kept = []
+    for start, end in mapped:
+        if end <= addr or start >= addr + size:
+            kept.append((start, end))
+            continue
+        if start < addr:
+            kept.append((start, addr))
+        if end > addr + size:
+            kept.append((addr + size, end))
+    return kept
+
+
+def layout_at(trace, labels, event, min_hole=2 * MIB):
+    """The memory of event #`event`'s stream just before it, in address order: per contiguous
+    mapped range, runs of live blocks as ("used", bytes, blocks, largest block, the phases that
+    allocated them) and free holes of at least `min_hole` as ("hole", bytes). Shows what
+    separates the holes that a request could not use (growth_holes)."""
+    stream = trace["stream"][event]
+    live, mapped = {}, []
+    for i in range(event):
+        if trace["stream"][i] != stream:
+            continue
+        action, size, addr = trace["action"][i], int(trace["size"][i]), int(trace["addr"][i])
+        if action == "alloc":
+            live[addr] = (size, labels[i])
+        elif action == "free_completed":
+            live.pop(addr, None)
+        elif action in MAPS:
+            mapped.append((addr, addr + size))
+        elif action in UNMAPS:
+            mapped = unmap(mapped, addr, size)
+    ranges = []
+    for start, end in sorted(mapped):
+        if ranges and ranges[-1][1] == start:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end])
+    blocks = sorted(live.items())
+    out = []
+    for start, end in ranges:
+        items, run, cursor = [], [], start
+
+        def close_run():
+            if run:
+                items.append(("used", sum(b for b, _ in run), len(run), max(b for b, _ in run),
+                              sorted({label for _, label in run})))
+                run.clear()
+        for addr, (size, label) in blocks[bisect.bisect_left(blocks, (start, (-1, ""))):]:
+            if addr >= end:
+                break
+            if addr - cursor >= min_hole:
+                close_run()
+                items.append(("hole", addr - cursor))
+            run.append((size, label))
+            cursor = max(cursor, addr + size)
+        close_run()
+        if end - cursor >= min_hole:
+            items.append(("hole", end - cursor))
+        out.append((start, end - start, items))
     return out
 
 

@@ -93,6 +93,25 @@ def test_alloc_trace_finds_the_hole_a_request_could_not_use():
     assert growth_holes(trace, labels) == [(6, "iteration 1 begin", 60 * MiB, 50 * MiB, 0, 0)]
 
 
+def test_alloc_trace_layout_shows_what_separates_the_holes():
+    import numpy as np
+
+    from alloc_trace import layout_at, phase_labels
+
+    marker = 512 * (1000 + 4 * 1)
+    events = [("segment_map", 100 * MiB, 0, 0), ("alloc", 40 * MiB, 0, 0), ("alloc", 10 * MiB, 40 * MiB, 0),
+              ("alloc", 30 * MiB, 50 * MiB, 0), ("alloc", 1 * MiB, 5 * 2**30, 3),  # another stream's block
+              ("alloc", marker, 10 * 2**30, 5), ("free_completed", 40 * MiB, 0, 0),  # iteration 1: a hole
+              ("segment_map", 20 * MiB, 200 * MiB, 0), ("segment_unmap", 10 * MiB, 210 * MiB, 0),
+              ("alloc", 60 * MiB, 100 * MiB, 0)]  # the event whose layout is asked for
+    trace = {key: np.array([e[k] for e in events]) for k, key in enumerate(("action", "size", "addr", "stream"))}
+    labels = phase_labels(trace)
+    got = layout_at(trace, labels, len(events) - 1)
+    assert got == [(0, 100 * MiB, [("hole", 40 * MiB), ("used", 40 * MiB, 2, 30 * MiB, ["startup"]),
+                                   ("hole", 20 * MiB)]),
+                   (200 * MiB, 10 * MiB, [("hole", 10 * MiB)])]
+
+
 def test_alloc_trace_labels_microbatches_and_finds_each_iterations_peak():
     import numpy as np
 
