@@ -4,7 +4,7 @@ and lists every new segment after start-up with the iteration phase and the allo
 needed it, plus the largest allocations (chunks) freed and re-allocated per iteration.
 
     python scripts/alloc_trace.py memhist_rank0.npz [--min-mib 100] [--chunks] [--deferred] [--holes] [--peaks]
-        [--layout-at EVENT]
+        [--layout-at EVENT] [--layout-growths N]
 
 Needs only numpy (runs anywhere, no GPU).
 """
@@ -111,6 +111,8 @@ def main():
     p.add_argument("--layout-at", type=int, action="append", default=[], metavar="EVENT",
                    help="the event's stream just before event #EVENT (e.g. a growth --holes lists): live blocks "
                         "and free holes in address order")
+    p.add_argument("--layout-growths", type=int, default=0, metavar="N",
+                   help="--layout-at the first N growths --holes lists whose request is >= --min-mib")
     o = p.parse_args()
     trace = load(o.npz)
     labels = phase_labels(trace)
@@ -140,8 +142,10 @@ def main():
         for iteration, reserved, label, allocated in iteration_peaks(trace, labels):
             print(f"iteration {iteration:3d}: peak reserved {reserved / GIB:6.2f} GiB at {label:24s} "
                   f"allocated {allocated / GIB:6.2f} GiB, mapped but free {(reserved - allocated) / GIB:5.2f} GiB")
+    growths = growth_holes(trace, labels) if (o.holes or o.layout_growths) else []
+    o.layout_at += [g[0] for g in growths if g[3] >= o.min_mib * MIB][:o.layout_growths]
     if o.holes:
-        for i, label, mapped, wanted, free, largest in growth_holes(trace, labels):
+        for i, label, mapped, wanted, free, largest in growths:
             print(f"#{i:7d} {label:24s} mapped {mapped / MIB:6.0f} MiB for a {wanted / MIB:6.1f} MiB request while "
                   f"{free / GIB:.2f} GiB were mapped but free, the largest hole {largest / MIB:.0f} MiB")
     for event in o.layout_at:

@@ -119,7 +119,7 @@ for stage in $STAGES; do
         [ -e "$f" ] || continue
         name="memhist_$(basename "$(dirname "$f")" | tr '@+' '__')_$(basename "$f" .npz | sed 's/memhist_//').npz"
         cp "$f" "$OUT/$name"
-        python3 scripts/alloc_trace.py "$f" --peaks > "$OUT/${name%.npz}.txt" 2>&1 || true
+        python3 scripts/alloc_trace.py "$f" --peaks --holes --layout-growths 3 > "$OUT/${name%.npz}.txt" 2>&1 || true
       done ;;
     sweep)
       within_budget python3 scripts/sweep.py --nproc "$NPROC" --out "$WORK/sweep" ${SWEEP_ARGS:-} 2>&1 \
