@@ -143,7 +143,10 @@ def main():
             print(f"iteration {iteration:3d}: peak reserved {reserved / GIB:6.2f} GiB at {label:24s} "
                   f"allocated {allocated / GIB:6.2f} GiB, mapped but free {(reserved - allocated) / GIB:5.2f} GiB")
     growths = growth_holes(trace, labels) if (o.holes or o.layout_growths) else []
-    o.layout_at += [g[0] for g in growths if g[3] >= o.min_mib * MIB][:o.layout_growths]
+    o.layout_at += layout_events(growths, o.min_mib * MIB, o.layout_growths)
+    for event in o.layout_at:
+        if not 0 <= event < len(trace["action"]):
+            p.error(f"--layout-at {event}: the trace has events 0 to {len(trace['action']) - 1}")
     if o.holes:
         for i, label, mapped, wanted, free, largest in growths:
             print(f"#{i:7d} {label:24s} mapped {mapped / MIB:6.0f} MiB for a {wanted / MIB:6.1f} MiB request while "
@@ -228,30 +231,34 @@ def unmap(mapped, addr, size):
 
 
 def layout_at(trace, labels, event, min_hole=2 * MIB):
-    """The memory of event #`event`'s stream just before it, in address order: per contiguous
-    mapped range, runs of live blocks as ("used", bytes, blocks, largest block, the phases that
-    allocated them) and free holes of at least `min_hole` as ("hole", bytes). Shows what
-    separates the holes that a request could not use (growth_holes)."""
+    """The memory of event #`event`'s stream just before it, in address order: per mapped range,
+    runs of live blocks as ("used", bytes, blocks, largest block, the phases that allocated them,
+    earliest first) and free holes of at least `min_hole` as ("hole", bytes). Shows what separates
+    the holes that a request could not use (growth_holes). Pages an expandable segment mapped side
+    by side form one range; segments of the default allocator stay apart (no block spans two)."""
     stream = trace["stream"][event]
-    live, mapped = {}, []
+    live, pages, segments = {}, [], []
     for i in range(event):
         if trace["stream"][i] != stream:
             continue
         action, size, addr = trace["action"][i], int(trace["size"][i]), int(trace["addr"][i])
         if action == "alloc":
-            live[addr] = (size, labels[i])
+            live[addr] = (size, labels[i], i)
         elif action == "free_completed":
             live.pop(addr, None)
+        elif action == "segment_map":
+            pages.append((addr, addr + size))
         elif action in MAPS:
-            mapped.append((addr, addr + size))
+            segments.append((addr, addr + size))
         elif action in UNMAPS:
-            mapped = unmap(mapped, addr, size)
+            pages, segments = unmap(pages, addr, size), unmap(segments, addr, size)
     ranges = []
-    for start, end in sorted(mapped):
+    for start, end in sorted(pages):
         if ranges and ranges[-1][1] == start:
             ranges[-1][1] = end
         else:
             ranges.append([start, end])
+    ranges = sorted(ranges + [list(r) for r in segments])
     blocks = sorted(live.items())
     out = []
     for start, end in ranges:
@@ -259,22 +266,30 @@ def layout_at(trace, labels, event, min_hole=2 * MIB):
 
         def close_run():
             if run:
-                items.append(("used", sum(b for b, _ in run), len(run), max(b for b, _ in run),
-                              sorted({label for _, label in run})))
+                first = {}
+                for _, label, i in run:
+                    first[label] = min(i, first.get(label, i))
+                items.append(("used", sum(b for b, _, _ in run), len(run), max(b for b, _, _ in run),
+                              sorted(first, key=first.get)))
                 run.clear()
-        for addr, (size, label) in blocks[bisect.bisect_left(blocks, (start, (-1, ""))):]:
+        for addr, (size, label, i) in blocks[bisect.bisect_left(blocks, (start, )):]:
             if addr >= end:
                 break
             if addr - cursor >= min_hole:
                 close_run()
                 items.append(("hole", addr - cursor))
-            run.append((size, label))
+            run.append((size, label, i))
             cursor = max(cursor, addr + size)
         close_run()
         if end - cursor >= min_hole:
             items.append(("hole", end - cursor))
         out.append((start, end - start, items))
     return out
+
+
+def layout_events(growths, min_request, count):
+    """The events of the first `count` growths (growth_holes rows) whose request is >= min_request."""
+    return [g[0] for g in growths if g[3] >= min_request][:count]
 
 
 def deferred_report(trace, labels):

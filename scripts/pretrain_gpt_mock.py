@@ -252,7 +252,9 @@ def _tensor_forms(state):
     """Count and bytes of the tensors a sharded state dict hands to dist-checkpointing, by form:
     `cuda`, `cpu_shared` (a whole shared-memory storage: the worker maps it), `cpu_view` (part of a
     larger storage: cloned while training waits), `cpu_private` (a whole private storage: the
-    worker's queue moves it into shared memory), and `factories` (built inside the save)."""
+    worker's queue moves it into shared memory), and `factories` (ShardedTensorFactory: the save
+    builds its tensors from `.data`; counted with that tensor's bytes). Every tensor handed to the
+    save is counted, replicas this rank does not write included."""
     forms = {}
 
     def add(form, nbytes):
@@ -266,6 +268,9 @@ def _tensor_forms(state):
         elif isinstance(x, (list, tuple)):
             for v in x:
                 walk(v)
+        elif type(x).__name__ == "ShardedTensorFactory":  # (before `.data`: a factory has one too)
+            t = getattr(x, "data", None)
+            add("factories", t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0)
         elif isinstance(getattr(x, "data", None), torch.Tensor):
             t = x.data
             nbytes = t.numel() * t.element_size()
@@ -275,8 +280,6 @@ def _tensor_forms(state):
                 add("cpu_view", nbytes)
             else:
                 add("cpu_shared" if t.is_shared() else "cpu_private", nbytes)
-        elif type(x).__name__ == "ShardedTensorFactory":
-            add("factories", 0)
 
     walk(state)
     return {k: {"count": c, "bytes": b} for k, (c, b) in forms.items()}
@@ -301,9 +304,11 @@ def _save_parts():
         originals[(module, name)] = fn
 
         def wrapper(*a, **k):
-            if census:
+            if census:  # (timed apart: the caller takes it out of the save's seconds)
+                t = time.perf_counter()
                 state = a[0] if a else k.get("sharded_state_dict")
                 parts["forms"] = _tensor_forms(state)
+                parts["census_s"] = parts.get("census_s", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
@@ -607,7 +612,8 @@ class Recorder:
             t0 = time.perf_counter()
             with _save_parts() as parts:
                 out = save_checkpoint(*a, **k)
-            seconds = time.perf_counter() - t0  # what training waits for (--async-save: the scheduling)
+            # What training waits for (--async-save: the scheduling), less the census's own time.
+            seconds = time.perf_counter() - t0 - parts.get("census_s", 0.0)
             self.saves.append({"allocated_before": before, "max_allocated": torch.cuda.max_memory_allocated(),
                                "seconds": seconds,
                                # of which the plugin's preparation of host reads (send-out, snapshots)

@@ -1,7 +1,7 @@
 """Where does an asynchronous save's blocked time go? megatron-core's own async save (`--async-save
 --use-persistent-ckpt-worker --async-strategy mcore`) of one rank's state, by the form the state's
-tensors take when the save reads them (issue 23: with the plugin a save blocked training 0.21-0.37 s
-against 0.09 s without it, of which the plugin's own part was 0.04 s).
+tensors take when the save reads them (issue 23: with the plugin a save blocks training longer than
+without it; the recorder's save breakdown says where in a real run).
 
     python benchmarks/tools/async_save_probe.py [--forms cuda,snapshot,shared,private,view]
         [--mib 512] [--tensors 96] [--saves 3] [--gap 3] [--out probe.json]
@@ -18,7 +18,7 @@ snapshot: the copy into the set), `save` (dist_checkpointing.save: planning, clo
 (AsyncCallsQueue.schedule_async_request: the queue's pickling and the worker's preload, which
 training waits for), and `write` (until the write is finalized). Blocked time in Megatron's
 save_checkpoint is about save + schedule. Saves are `--gap` seconds apart: after each write the
-worker runs a full garbage collection (megatron-core's `async_loop`, 0.2-0.5 s in a process that
+worker runs a full garbage collection (megatron-core's `async_loop`; long in a process that
 imported torch and megatron), and a save scheduled before it ends waits for it, which training
 never meets with saves minutes apart. On a machine without CUDA (`cuda` skipped) the probe
 runs megatron-core's CUDA calls as no-ops (a sitecustomize for the probe and its worker).
@@ -105,7 +105,7 @@ def one_form(form: str, mib: int, count: int, saves: int, gap: float) -> dict:
     queue.close()
     dist.destroy_process_group()
     later = rows[1:] or rows
-    return {"form": form, "mib": mib, "tensors": count, "first": rows[0],
+    return {"form": form, "mib": mib, "tensors": count, "saves": saves, "gap_s": gap, "first": rows[0],
             "median_later": {k: statistics.median(r[k] for r in later) for k in rows[0]}}
 
 

@@ -287,15 +287,15 @@ def test_save_census_tells_the_forms_of_the_saved_tensors():
         def __init__(self, data):
             self.data = data
 
-    class ShardedTensorFactory:
-        pass
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     big = torch.zeros(64)
+    factory = ShardedTensorFactory("f", torch.zeros(2), lambda *a: None, lambda *a: None)  # (has `.data` too)
     state = {"a": Sharded(big[:16]), "b": [Sharded(torch.zeros(8).share_memory_()), Sharded(torch.zeros(4))],
-             "c": {"d": ShardedTensorFactory(), "e": 3}}
+             "c": {"d": factory, "e": 3}}
     forms = pretrain_gpt_mock._tensor_forms(state)
     assert forms == {"cpu_view": {"count": 1, "bytes": 64}, "cpu_shared": {"count": 1, "bytes": 32},
-                     "cpu_private": {"count": 1, "bytes": 16}, "factories": {"count": 1, "bytes": 0}}
+                     "cpu_private": {"count": 1, "bytes": 16}, "factories": {"count": 1, "bytes": 8}}
 
 
 def test_save_parts_times_each_part_and_puts_the_originals_back():

@@ -96,20 +96,28 @@ def test_alloc_trace_finds_the_hole_a_request_could_not_use():
 def test_alloc_trace_layout_shows_what_separates_the_holes():
     import numpy as np
 
-    from alloc_trace import layout_at, phase_labels
+    from alloc_trace import layout_at, layout_events, phase_labels
 
     marker = 512 * (1000 + 4 * 1)
     events = [("segment_map", 100 * MiB, 0, 0), ("alloc", 40 * MiB, 0, 0), ("alloc", 10 * MiB, 40 * MiB, 0),
-              ("alloc", 30 * MiB, 50 * MiB, 0), ("alloc", 1 * MiB, 5 * 2**30, 3),  # another stream's block
+              ("alloc", 30 * MiB, 51 * MiB, 0),  # a 1 MiB gap: below min_hole, not listed
+              ("alloc", 15 * MiB, 85 * MiB, 3),  # another stream's block inside the range: not this stream's
               ("alloc", marker, 10 * 2**30, 5), ("free_completed", 40 * MiB, 0, 0),  # iteration 1: a hole
+              ("alloc", 2 * MiB, 81 * MiB, 0),  # allocated in iteration 1, after the others
               ("segment_map", 20 * MiB, 200 * MiB, 0), ("segment_unmap", 10 * MiB, 210 * MiB, 0),
-              ("alloc", 60 * MiB, 100 * MiB, 0)]  # the event whose layout is asked for
+              ("segment_alloc", 20 * MiB, 100 * MiB, 0),  # a default-allocator segment beside the pages
+              ("alloc", 60 * MiB, 300 * MiB, 0)]  # the event whose layout is asked for
     trace = {key: np.array([e[k] for e in events]) for k, key in enumerate(("action", "size", "addr", "stream"))}
     labels = phase_labels(trace)
     got = layout_at(trace, labels, len(events) - 1)
-    assert got == [(0, 100 * MiB, [("hole", 40 * MiB), ("used", 40 * MiB, 2, 30 * MiB, ["startup"]),
-                                   ("hole", 20 * MiB)]),
+    assert got == [(0, 100 * MiB, [("hole", 40 * MiB),
+                                   ("used", 42 * MiB, 3, 30 * MiB, ["startup", "iteration 1 begin"]),
+                                   ("hole", 17 * MiB)]),
+                   (100 * MiB, 20 * MiB, [("hole", 20 * MiB)]),  # not merged with the pages before it
                    (200 * MiB, 10 * MiB, [("hole", 10 * MiB)])]
+    growths = [(7, "x", 1, 600 * MiB, 0, 0), (9, "x", 1, 50 * MiB, 0, 0), (12, "x", 1, 500 * MiB, 0, 0),
+               (15, "x", 1, 700 * MiB, 0, 0)]
+    assert layout_events(growths, 100 * MiB, 2) == [7, 12]
 
 
 def test_alloc_trace_labels_microbatches_and_finds_each_iterations_peak():
