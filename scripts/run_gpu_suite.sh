@@ -61,6 +61,12 @@ if [ "${TE:-0}" = 1 ]; then
   echo "TE install: $(( $(date +%s) - T0 )) s" | tee -a "$OUT/te_install.log"
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nvidia-smi topo -m; } | tee "$OUT/gpus.txt"
+# The node's MemAvailable every second for the whole suite (unix time, kB; in logs.tgz): host
+# memory is measured in every GPU run, the processes' own figures miss pinned and shared pages.
+( while true; do echo "$(date +%s) $(awk '/^MemAvailable/{print $2}' /proc/meminfo)"; sleep 1; done ) \
+  > "$WORK/memavailable_kib.log" 2>/dev/null &
+SAMPLER=$!
+trap 'kill $SAMPLER 2>/dev/null' EXIT
 status=0
 for stage in $STAGES; do
   case $stage in
@@ -87,6 +93,12 @@ for stage in $STAGES; do
             2>&1 | tee -a "$OUT/$name.log"
         fi
         cp "$WORK/$name/functional_summary.json" "$OUT/$summary" 2>/dev/null
+        # Allocator histories (MEGATRON_OFFLOAD_MEMHIST): read here, beside each one (in logs.tgz).
+        for f in "$WORK/$name"/*/memhist_rank*.npz; do
+          [ -e "$f" ] || continue
+          python3 scripts/alloc_trace.py "$f" --peaks --holes --layout-growths 3 \
+            > "$(dirname "$f")/alloc_$(basename "$f" .npz | sed 's/memhist_//').txt" 2>&1 || true
+        done
       done ;;
     matrix)
       rm -f "$WORK/matrix/matrix_summary.json"  # (rewritten after every case: a cut matrix keeps what finished)
