@@ -167,15 +167,9 @@ def main():
 def free_holes(live, mapped):
     """Sizes of the mapped address ranges that no live block covers. live: {addr: size};
     mapped: [(start, end)] of mapped pages (expandable segments) or segments."""
-    merged = []
-    for start, end in sorted(mapped):
-        if merged and merged[-1][1] == start:
-            merged[-1] = (merged[-1][0], end)
-        else:
-            merged.append((start, end))
     blocks = sorted(live.items())
     holes = []
-    for start, end in merged:
+    for start, end in merge_adjacent(mapped):
         j = bisect.bisect_left(blocks, (start, -1))
         cursor = start
         while j < len(blocks) and blocks[j][0] < end:
@@ -216,6 +210,17 @@ def growth_holes(trace, labels):
     return out
 
 
+def merge_adjacent(ranges):
+    """[(start, end)] sorted, each run of ranges that meet end to start as one."""
+    merged = []
+    for start, end in sorted(ranges):
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def unmap(mapped, addr, size):
     """`mapped` ([(start, end)]) without [addr, addr + size)."""
     kept = []
@@ -252,13 +257,7 @@ def layout_at(trace, labels, event, min_hole=2 * MIB):
             segments.append((addr, addr + size))
         elif action in UNMAPS:
             pages, segments = unmap(pages, addr, size), unmap(segments, addr, size)
-    ranges = []
-    for start, end in sorted(pages):
-        if ranges and ranges[-1][1] == start:
-            ranges[-1][1] = end
-        else:
-            ranges.append([start, end])
-    ranges = sorted(ranges + [list(r) for r in segments])
+    ranges = sorted(merge_adjacent(pages) + segments)
     blocks = sorted(live.items())
     out = []
     for start, end in ranges:
