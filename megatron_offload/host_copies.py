@@ -185,10 +185,15 @@ class HostCopies:
         for chunk in chunks:
             for st, view in zip(chunk.tensors, chunk.gpu_views):
                 st.tensor.data = view
-            self._scales_back(chunk)
-            chunk.gpu_views = None
-            chunk.on_host = False
+            self._off_host(chunk)
         return len(chunks)
+
+    def _off_host(self, chunk) -> None:
+        """`chunk`, its tensors pointing at GPU memory again (hidden or reloaded), stops being read
+        on the host: the optimizer's own scales come back with it (`_scales_back`)."""
+        self._scales_back(chunk)
+        chunk.gpu_views = None
+        chunk.on_host = False
 
     @staticmethod
     def _place(st: StateTensor, tensor: torch.Tensor) -> None:

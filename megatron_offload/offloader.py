@@ -242,9 +242,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
                 chunk.buffer.untyped_storage().resize_(chunk.gpu_nbytes)
                 if chunk.on_host:  # a reader saw it on the host (expose_host_copies): back here
                     self._point_at(chunk, chunk.buffer)
-                    self._scales_back(chunk)
-                    chunk.gpu_views = None
-                    chunk.on_host = False
+                    self._off_host(chunk)
         with s.on_h2d() as stream:
             # Why: the new storage may be memory the compute stream freed a moment ago (on the
             # host) but whose last reader is still queued on the GPU.

@@ -67,6 +67,8 @@ fi
   > "$WORK/memavailable_kib.log" 2>/dev/null &
 SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null' EXIT
+# An allocator history (MEGATRON_OFFLOAD_MEMHIST) read with scripts/alloc_trace.py into $2.
+read_memhist() { python3 scripts/alloc_trace.py "$1" --peaks --holes --layout-growths 3 > "$2" 2>&1 || true; }
 status=0
 for stage in $STAGES; do
   case $stage in
@@ -96,8 +98,7 @@ for stage in $STAGES; do
         # Allocator histories (MEGATRON_OFFLOAD_MEMHIST): read here, beside each one (in logs.tgz).
         for f in "$WORK/$name"/*/memhist_rank*.npz; do
           [ -e "$f" ] || continue
-          python3 scripts/alloc_trace.py "$f" --peaks --holes --layout-growths 3 \
-            > "$(dirname "$f")/alloc_$(basename "$f" .npz | sed 's/memhist_//').txt" 2>&1 || true
+          read_memhist "$f" "$(dirname "$f")/alloc_$(basename "$f" .npz | sed 's/memhist_//').txt"
         done
       done ;;
     matrix)
@@ -131,7 +132,7 @@ for stage in $STAGES; do
         [ -e "$f" ] || continue
         name="memhist_$(basename "$(dirname "$f")" | tr '@+' '__')_$(basename "$f" .npz | sed 's/memhist_//').npz"
         cp "$f" "$OUT/$name"
-        python3 scripts/alloc_trace.py "$f" --peaks --holes --layout-growths 3 > "$OUT/${name%.npz}.txt" 2>&1 || true
+        read_memhist "$f" "$OUT/${name%.npz}.txt"
       done ;;
     sweep)
       within_budget python3 scripts/sweep.py --nproc "$NPROC" --out "$WORK/sweep" ${SWEEP_ARGS:-} 2>&1 \
