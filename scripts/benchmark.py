@@ -79,6 +79,10 @@ ARG_MODIFIERS = {
     # Free every chunk at the first layer of the first forward (a margin no budget can leave room
     # for): no activation is ever placed among resident chunks (diagnostic; exposes the D2H).
     "freeall": ["--offload-memory-margin-mb", "1000000"],
+    # Python's automatic collector off and one full collection after every iteration (Megatron's
+    # --manual-gc): tensors kept by reference cycles are freed at the same point of every
+    # iteration instead of wherever a collection happens to run (diagnostic).
+    "manualgc": ["--manual-gc", "--manual-gc-interval", "1"],
 }
 VARIANTS = {
     "baseline": [],
@@ -216,7 +220,22 @@ def summarize(run, warmup):
         # Checkpoint saves of rank 0 (--extra '--save DIR --save-interval N'; with --async-save the
         # seconds are what the loop waited for): seconds, the plugin's share, GPU growth.
         "saves": ranks[0].get("saves") or [],
+        # Every iteration of every rank in brief: where reserved memory grows, and what happened in
+        # that iteration (collections, device allocations and frees of the caching allocator).
+        "per_iteration": [per_iteration(r["iterations"]) for r in ranks],
     }
+
+
+PER_ITERATION_KEYS = ("gc_gen1", "gc_full", "gc_full_collected", "alloc_retries", "device_allocs", "device_frees")
+
+
+def per_iteration(iterations):
+    """Columns over a rank's iterations: ms, peak reserved and allocated MiB, and the counters of
+    PER_ITERATION_KEYS (None where a record lacks one)."""
+    return {"ms": [round(it["ms"], 1) for it in iterations],
+            "max_reserved_mib": [it["max_reserved"] >> 20 for it in iterations],
+            "max_allocated_mib": [it["max_allocated"] >> 20 for it in iterations],
+            **{k: [it.get(k) for it in iterations] for k in PER_ITERATION_KEYS}}
 
 
 def planner_rates(ceilings, gbps=None, both_gbps=None, together=True):
@@ -392,6 +411,15 @@ def report(results, ceilings):
               f"{r['offloaded_gib'][0]:.2f} | {' / '.join(f'{x:.3f}' for x in fracs) or frac} | "
               f"{r['pinned_gib'][0]:.2f} | {same} |")
     for name, r in results.items():
+        for rank, cols in enumerate(r.get("per_iteration") or []):
+            # Where reserved memory grew (iterations from 1) and what that iteration did.
+            res = cols["max_reserved_mib"]
+            grew = [f"{i + 1}: {res[i - 1]}->{res[i]}" + "".join(
+                f" {k}={cols[k][i]}" for k in ("gc_full", "device_allocs") if cols[k][i])
+                for i in range(1, len(res)) if res[i] > res[i - 1]]
+            full = [i + 1 for i, n in enumerate(cols["gc_full"]) if n]
+            notes.append(f"{name} rank {rank}: peak reserved MiB per iteration {res}; grew at "
+                         f"{'; '.join(grew) or 'none'}; full collections in {full or 'none'}")
         if r.get("saves"):
             notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
                 f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s, GPU "

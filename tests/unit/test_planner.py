@@ -360,3 +360,24 @@ def test_the_benchmark_also_compares_measured_with_modelled_milliseconds(capsys)
     del offload["median_ms"]
     assert benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"][
         "measured_over_predicted_ms"] is None
+
+
+def test_the_benchmark_keeps_every_iteration_and_names_where_reserved_memory_grew(capsys):
+    """summarize keeps each rank's per-iteration peaks and counters; report names the iterations
+    (from 1) whose peak reserved memory exceeded the one before, with that iteration's counters."""
+    benchmark = _benchmark()
+
+    def it(reserved_mib, gc_full=0, allocs=0):
+        return {"ms": 10.0, "loss": "0x1p+0", "skipped": 0, "max_allocated": 100 << 20,
+                "max_reserved": reserved_mib << 20, "gc_full": gc_full, "device_allocs": allocs}
+
+    run = {"ranks": [{"iterations": [it(200), it(300, allocs=2), it(300), it(350, gc_full=1, allocs=1)]}],
+           "seconds": 1.0}
+    r = benchmark.summarize(run, warmup=1)
+    cols = r["per_iteration"][0]
+    assert cols["max_reserved_mib"] == [200, 300, 300, 350]
+    assert cols["gc_full"] == [0, 0, 0, 1] and cols["gc_gen1"] == [None] * 4
+    benchmark.report({"offload": r}, None)
+    out = capsys.readouterr().out
+    assert ("offload rank 0: peak reserved MiB per iteration [200, 300, 300, 350]; grew at 2: 200->300 "
+            "device_allocs=2; 4: 300->350 gc_full=1 device_allocs=1; full collections in [4]") in out
