@@ -49,6 +49,9 @@ class OffloadConfig:
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
     backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)
     host_waits_at_free: bool = False  # the forward's frees also block the host
+    # The host runs at most this many layer hooks ahead of the compute stream (0: no bound;
+    # streams.HostLeadBound says why a large lead grows reserved memory).
+    host_lead_layers: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "release_at", frozenset(self.release_at))
@@ -58,7 +61,7 @@ class OffloadConfig:
         if not 0.0 <= self.state_fraction <= 1.0:
             raise ValueError(f"state_fraction must be within [0, 1], got {self.state_fraction}")
         if (self.chunk_bytes <= 0 or self.margin_bytes < 0 or self.copy_piece_bytes < 0 or self.step_budget_bytes < 0
-                or self.copy_out_in_flight_bytes < 0):
+                or self.copy_out_in_flight_bytes < 0 or self.host_lead_layers < 0):
             raise ValueError(f"sizes must be positive (chunk) or non-negative: {self}")
 
 

@@ -54,7 +54,7 @@ from .phase import Phase
 from .phase_switch import PhaseSwitch
 from .registration import Registration, in_backward
 from .state_access import StateAccess
-from .streams import CopyStreams
+from .streams import CopyStreams, HostLeadBound
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self.config = config
         self.device = device
         self.streams = CopyStreams(self.device, timing=config.timing)
+        self.host_lead = HostLeadBound(self.streams.compute, config.host_lead_layers)
         self.expected_forwards = expected_forwards_per_iteration
         self._smallest_in_group = smallest_in_group
         self._announce_fn = announce or (lambda msg: logger.info("megatron-offload: %s", msg))
@@ -212,6 +213,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         # autograd] in docs/design.md).
         if self.it.forwards == 0 or in_backward():
             return
+        self.host_lead.mark()
         h = self.it.position
         self.it.position += 1
         self._pace_layer(h)
@@ -271,6 +273,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         activations that could have taken their memory are released), latest freed first, while
         allocated memory stays under the reload ceiling and a free block takes each chunk
         (`_reload_up_to`); `grads_finalizing` reloads whatever is left."""
+        self.host_lead.mark()
         self._sample_workspace()
         if self.it.state is IterationState.RELOAD_WINDOW and self.bytes_in(ChunkState.OFFLOADED):
             self._reload_up_to(self._reload_ceiling(), position=position)

@@ -6,10 +6,12 @@ wait is a no-op, so the same offloader code runs unchanged.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
-from typing import List, Optional, Tuple
+import time
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -142,6 +144,44 @@ def timed_event(stream) -> torch.cuda.Event:
     ev = torch.cuda.Event(enable_timing=True)
     ev.record(stream)
     return ev
+
+
+class HostLeadBound:
+    """Keeps the host at most `depth` pacing points (layer hooks) ahead of the compute stream.
+
+    Why: megatron-core builds its DDP wrapper, hence every parameter's AccumulateGrad node, on a
+    stream of its own, so the autograd engine marks each weight gradient as used on that stream
+    (record_stream), and the caching allocator defers the gradient's free until that stream's
+    event completes on the GPU. A host running far ahead of the GPU therefore allocates the next
+    layers' activations while the last backward's gradients (hundreds of MiB per microbatch) are
+    freed on the host but not reusable yet: the requests map new memory, and *reserved* memory
+    depends on how far ahead the host happened to be. The plugin's copy waits stall the GPU
+    while the host runs on, which makes that lead large. With the bound, a deferred free becomes
+    reusable at most `depth` layers after its request. See [Note: host lead] in docs/design.md.
+    Invariant: after `mark()`, at most `depth` recorded points are not known to be complete.
+    """
+
+    def __init__(self, stream, depth: int, new_event: Optional[Callable[[], object]] = None):
+        self.stream = stream
+        self.depth = depth if stream is not None or new_event is not None else 0
+        self._new_event = new_event or (lambda: stream.record_event())
+        self._points: collections.deque = collections.deque()
+        self.waits = 0  # marks that blocked the host, and for how long in all
+        self.wait_ms = 0.0
+
+    def mark(self) -> None:
+        """A pacing point was reached on the host: record it on the stream; block until the
+        point `depth` marks back has run on the GPU."""
+        if self.depth <= 0:
+            return
+        self._points.append(self._new_event())
+        while len(self._points) > self.depth:
+            oldest = self._points.popleft()
+            if not oldest.query():
+                start = time.perf_counter()
+                oldest.synchronize()
+                self.waits += 1
+                self.wait_ms += (time.perf_counter() - start) * 1e3
 
 
 class CopyStreams:

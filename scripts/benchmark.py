@@ -66,6 +66,8 @@ MODIFIERS = {
     # The forward's frees make the host wait for their copy-out too (coordinator._free_until).
     "hostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "1"},
     "nohostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "0"},
+    # The host at most N layer hooks ahead of the compute stream (streams.HostLeadBound); lead0: none.
+    **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
@@ -209,6 +211,8 @@ def summarize(run, warmup):
         "cache_releases": [r.get("cache_releases") for r in ranks],
         "cache_release_ms": [r.get("cache_release_ms") for r in ranks],
         "free_host_wait_ms": [r.get("free_host_wait_ms") for r in ranks],
+        "host_lead_waits": [r.get("host_lead_waits") for r in ranks],
+        "host_lead_wait_ms": [r.get("host_lead_wait_ms") for r in ranks],
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
@@ -397,7 +401,9 @@ def report(results, ceilings):
                   f"for fit {r['reloads_deferred_for_fit'][0]} (backward workspace "
                   f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB); cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
-                  f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; expandable segments {r['expandable_segments']}")
+                  f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; host-lead waits "
+                  f"{(r.get('host_lead_waits') or [0])[0] or 0} ({(r.get('host_lead_wait_ms') or [0])[0] or 0:.0f} ms in "
+                  f"all); expandable segments {r['expandable_segments']}")
         if ref and ref is not r and "host_drop_gib" in r and "host_drop_gib" in ref:
             # Acceptance of the host-memory fix: node drop over the baseline's <= 1.05 x pinned + 1 GiB/rank.
             extra = r["host_drop_gib"] - ref["host_drop_gib"]

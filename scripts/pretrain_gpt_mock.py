@@ -376,6 +376,7 @@ DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_WORKSPACE": ("keep_backward_workspace", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_BACKWARD_RELOADS": ("backward_reloads", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_HOST_WAIT": ("host_waits_at_free", lambda v: v == "1"),
+    "MEGATRON_OFFLOAD_HOST_LEAD": ("host_lead_layers", int),
 }
 
 
@@ -772,6 +773,8 @@ class Recorder:
                     "cache_releases": coord.cache_releases,
                     "cache_release_ms": coord.cache_release_ms,
                     "free_host_wait_ms": coord.free_host_wait_ms,
+                    "host_lead_waits": coord.host_lead.waits,
+                    "host_lead_wait_ms": coord.host_lead.wait_ms,
                 }
         except ImportError:
             pass

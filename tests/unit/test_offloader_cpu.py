@@ -1902,3 +1902,54 @@ def test_one_full_garbage_collection_after_setup_unless_the_loop_manages_gc(enab
         done.append(len(calls))
     assert done == expected
     assert ("setup_collected" in coord.events) is enabled
+
+
+class _FakeGpuEvent:
+    """A recorded point of a fake stream: complete once the fake GPU has run `done` points."""
+
+    def __init__(self, gpu, index):
+        self.gpu, self.index = gpu, index
+
+    def query(self):
+        return self.index < self.gpu["done"]
+
+    def synchronize(self):
+        self.gpu["waited_for"].append(self.index)
+        self.gpu["done"] = max(self.gpu["done"], self.index + 1)
+
+
+def test_the_host_lead_bound_waits_only_for_the_point_depth_marks_back():
+    from megatron_offload.streams import HostLeadBound
+
+    gpu = {"done": 0, "waited_for": [], "recorded": 0}
+
+    def new_event():
+        gpu["recorded"] += 1
+        return _FakeGpuEvent(gpu, gpu["recorded"] - 1)
+
+    bound = HostLeadBound(None, 2, new_event=new_event)
+    bound.mark(), bound.mark()
+    assert gpu["waited_for"] == []  # two points outstanding: within the bound
+    bound.mark()  # the third: the host waits for the first
+    assert gpu["waited_for"] == [0] and bound.waits == 1
+    gpu["done"] = 3  # the GPU caught up: no wait, however many marks follow
+    bound.mark()
+    assert gpu["waited_for"] == [0] and bound.waits == 1
+    bound.mark(), bound.mark()
+    assert gpu["waited_for"] == [0, 3] and bound.waits == 2
+    # Without a stream (a CPU device) the bound is off, whatever the depth.
+    off = HostLeadBound(None, 2)
+    off.mark(), off.mark(), off.mark()
+    assert off.depth == 0 and off.waits == 0
+
+
+def test_the_coordinator_marks_the_host_lead_at_every_layer_hook():
+    opt = FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    marks = []
+    coord.host_lead.mark = lambda: marks.append(coord.it.state)
+    one_iteration(opt, coord, 0)
+    one_iteration(opt, coord, 1)
+    # Every forward and backward layer hook of both microbatches of both iterations.
+    assert len(marks) == 2 * 2 * 2 * LAYERS
