@@ -14,6 +14,7 @@ from .allocator import RELEASE_POINTS
 from .chunks import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MARGIN_BYTES = 64 * 2**20
+DEFAULT_HOST_LEAD_LAYERS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,9 @@ class OffloadConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # size of the chunks the state is packed into
     margin_bytes: int = DEFAULT_MARGIN_BYTES  # kept free below the forward's peak when freeing late
     copy_piece_bytes: int = 0  # 0: each chunk's copy in one piece
+    # The host runs at most this many layer hooks ahead of the compute stream (0: no bound;
+    # streams.HostLeadBound says why a large lead grows reserved memory).
+    host_lead_layers: int = DEFAULT_HOST_LEAD_LAYERS
     # Experimental (copy_feeder.py): >0 starts the copy-out at the step (each piece, with the chunked
     # step) and lets a host thread keep about this many bytes of it queued on the GPU.
     copy_out_in_flight_bytes: int = 0
@@ -49,9 +53,6 @@ class OffloadConfig:
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
     backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)
     host_waits_at_free: bool = False  # the forward's frees also block the host
-    # The host runs at most this many layer hooks ahead of the compute stream (0: no bound;
-    # streams.HostLeadBound says why a large lead grows reserved memory).
-    host_lead_layers: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "release_at", frozenset(self.release_at))

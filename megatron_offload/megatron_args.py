@@ -9,7 +9,7 @@ import dataclasses
 
 from . import validation
 from .chunks import DEFAULT_CHUNK_BYTES
-from .config import DEFAULT_MARGIN_BYTES, OffloadConfig
+from .config import DEFAULT_HOST_LEAD_LAYERS, DEFAULT_MARGIN_BYTES, OffloadConfig
 
 # `--offload-state-fraction auto` measures this iteration: the first has start-up costs, the
 # second is the first with the coordinator's memory profile.
@@ -97,6 +97,15 @@ def add_flags(parser):
         "right after the step do not wait behind it (0: off). (megatron-offload)",
     )
     group.add_argument(
+        "--offload-host-lead-layers",
+        type=int,
+        default=DEFAULT_HOST_LEAD_LAYERS,
+        help="Keep the host at most this many layers ahead of the GPU during the forward and "
+        "backward (0: no bound). Megatron frees weight gradients through a stream of its own, so "
+        "a host far ahead allocates before those frees are usable, and reserved memory grows "
+        "while the GPU waits for the plugin's copies. (megatron-offload)",
+    )
+    group.add_argument(
         "--offload-no-timing",
         action="store_true",
         help="Do not record CUDA events around copies (no D2H/H2D timings in the log). "
@@ -127,6 +136,8 @@ def check_values(args) -> None:
         raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
     if args.offload_copy_out_in_flight_mb < 0:
         raise validation.OffloadArgumentError("--offload-copy-out-in-flight-mb must be >= 0 (0: off)")
+    if args.offload_host_lead_layers < 0:
+        raise validation.OffloadArgumentError("--offload-host-lead-layers must be >= 0 (0: no bound)")
     if args.offload_state_fraction != AUTO and not 0.0 < args.offload_state_fraction <= 1.0:
         raise validation.OffloadArgumentError(
             "--offload-state-fraction must be in (0, 1] or 'auto': the share of the optimizer "
@@ -147,6 +158,7 @@ def config_from_args(args) -> OffloadConfig:
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
         release_cache=args.offload_release_cached_memory,
         timing=not args.offload_no_timing,
+        host_lead_layers=args.offload_host_lead_layers,
         # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
         host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
         # megatron-core turns --async-save off itself without --use-persistent-ckpt-worker

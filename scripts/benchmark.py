@@ -48,6 +48,8 @@ PRESET_ARGS = {"r2": RECOMPUTE, "r3": ["--pipeline-model-parallel-size", "2"], "
 MODIFIERS = {
     "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"},
     "expseg": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    # The allocator's default (one segment per cudaMalloc), set explicitly: the plugin then keeps it.
+    "noexpseg": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
     # Allocator history of rank 0 from start-up through iteration 6 (before the timed iterations
     # when --warmup >= 7), for scripts/alloc_trace.py. (The dump stalls the host at the start of
     # iteration 7 and the host runs faster without the recording: the allocator's layout, hence
@@ -66,7 +68,8 @@ MODIFIERS = {
     # The forward's frees make the host wait for their copy-out too (coordinator._free_until).
     "hostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "1"},
     "nohostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "0"},
-    # The host at most N layer hooks ahead of the compute stream (streams.HostLeadBound); lead0: none.
+    # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
+    # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).

@@ -238,6 +238,19 @@ def test_chunked_step_flags():
         megatron_wiring.validate_args(negative)
 
 
+def test_host_lead_flag_defaults_to_the_config_and_refuses_negative_values():
+    from megatron_offload import megatron_args
+    from megatron_offload.config import DEFAULT_HOST_LEAD_LAYERS
+
+    on = ["--offload-optimizer-states", "--use-distributed-optimizer"]
+    assert megatron_args.config_from_args(parse(on)).host_lead_layers == DEFAULT_HOST_LEAD_LAYERS > 0
+    a = parse(on + ["--offload-host-lead-layers", "0"])
+    megatron_wiring.validate_args(a)
+    assert megatron_args.config_from_args(a).host_lead_layers == 0
+    with pytest.raises(OffloadArgumentError, match="--offload-host-lead-layers"):
+        megatron_wiring.validate_args(parse(on + ["--offload-host-lead-layers", "-1"]))
+
+
 def test_copy_out_feeder_flag_is_opt_in_and_reaches_the_config():
     from megatron_offload import megatron_args
 
