@@ -14,7 +14,7 @@ from .allocator import RELEASE_POINTS
 from .chunks import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MARGIN_BYTES = 64 * 2**20
-DEFAULT_HOST_LEAD_LAYERS = 2
+DEFAULT_HOST_LEAD_LAYERS = 1
 
 
 @dataclasses.dataclass(frozen=True)
