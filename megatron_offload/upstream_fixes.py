@@ -116,6 +116,38 @@ def mend_help_strings(parser) -> int:
     return mended
 
 
+def grad_accumulators_on_current_stream(ddp_modules) -> int:
+    """Re-create, under the current stream, the AccumulateGrad node of every parameter whose
+    gradient hook megatron-core's DDP registered on one (`grad_accs`), with the same hook.
+    Returns how many nodes were replaced. Not installed by `install()`: under evaluation (the
+    benchmark's `@accstream`).
+
+    Why: `get_model` builds DDP under a stream of its own, and an AccumulateGrad node keeps the
+    stream it was created on; the autograd engine then marks every weight gradient as used on that
+    stream, and the caching allocator defers the gradient's free to an event of that stream (see
+    [Note: host lead] in docs/design.md). Nodes created on the compute stream leave those frees
+    immediate. A node still referenced elsewhere would survive, keep its hook and get a second
+    one: that raises instead (each old node is marked before it is dropped)."""
+    replaced = 0
+    for ddp in ddp_modules:
+        if not getattr(ddp, "grad_accs", None):
+            continue
+        params = [node.variable for node in ddp.grad_accs]
+        for node in ddp.grad_accs:
+            node.metadata["megatron_offload_replaced"] = True
+        del node
+        ddp.grad_accs = []  # (the last references: the nodes go, the parameters' caches expire)
+        for param in params:
+            node = param.expand_as(param).grad_fn.next_functions[0][0]
+            if node.metadata.get("megatron_offload_replaced"):
+                raise RuntimeError("an AccumulateGrad node of megatron-core's DDP is referenced outside "
+                                   "`grad_accs`: it cannot be re-created on another stream")
+            node.register_hook(ddp._make_backward_post_hook(param))
+            ddp.grad_accs.append(node)
+            replaced += 1
+    return replaced
+
+
 def install(patch) -> None:
     """Apply every fix; `patch(module, name, make_wrapper)` wraps once (megatron_wiring._patch)."""
     import megatron.core.datasets.utils as dataset_utils

@@ -74,6 +74,9 @@ MODIFIERS = {
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
+    # megatron-core's DDP AccumulateGrad nodes re-created on the compute stream before training
+    # (upstream_fixes.grad_accumulators_on_current_stream): weight-gradient frees not deferred.
+    "accstream": {"MEGATRON_OFFLOAD_GRAD_ACC_STREAM": "1"},
     # No change: a second run of a variant in the same call (offload@again is compared with
     # baseline@again), to see the run-to-run spread next to the difference being measured.
     "again": {},

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import megatron.training.arguments  # noqa: E402,F401  (a missing or broken megatron fails the suite, never skips it)
 
@@ -605,3 +606,45 @@ def test_the_automatic_fraction_is_agreed_by_every_rank_of_the_job():
                 p.terminate()
     assert got == {r: 0.5 for r in range(4)}
     assert megatron_wiring._smallest_in_job() is None  # (outside torch.distributed)
+
+
+class _HookedLikeMegatronDDP:
+    """megatron-core DDP's hook registration in miniature: an AccumulateGrad node per parameter,
+    kept in `grad_accs`, with a hook that counts its calls."""
+
+    def __init__(self, module):
+        self.module, self.calls, self.grad_accs = module, [], []
+        for param in module.parameters():
+            node = param.expand_as(param).grad_fn.next_functions[0][0]
+            node.register_hook(self._make_backward_post_hook(param))
+            self.grad_accs.append(node)
+
+    def _make_backward_post_hook(self, param):
+        def hook(*unused):
+            self.calls.append(param)
+        return hook
+
+
+def test_grad_accumulators_are_recreated_with_one_hook_each():
+    from megatron_offload import upstream_fixes
+
+    torch.manual_seed(0)
+    ddp = _HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
+    for node in ddp.grad_accs:
+        node.metadata["test_old"] = True
+    del node
+    assert upstream_fixes.grad_accumulators_on_current_stream([ddp, object()]) == 2
+    assert not any("test_old" in n.metadata for n in ddp.grad_accs)  # new nodes
+    assert [n.variable for n in ddp.grad_accs] == list(ddp.module.parameters())
+    ddp.module(torch.ones(2, 4)).sum().backward()
+    # Each parameter's hook ran once: the old nodes (and their hooks) are gone.
+    assert sorted(map(id, ddp.calls)) == sorted(map(id, ddp.module.parameters()))
+
+
+def test_a_grad_accumulator_held_elsewhere_is_refused():
+    from megatron_offload import upstream_fixes
+
+    ddp = _HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
+    held = ddp.grad_accs[0]  # noqa: F841  (a reference outside grad_accs keeps the node alive)
+    with pytest.raises(RuntimeError, match="referenced outside"):
+        upstream_fixes.grad_accumulators_on_current_stream([ddp])
