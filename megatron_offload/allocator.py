@@ -143,7 +143,7 @@ EXPANDABLE_SEGMENTS = "expandable_segments:True"
 def allocator_choice(alloc_conf: Optional[str]):
     """(enable, note): whether to turn on expandable segments, and what to tell the user.
 
-    With PyTorch's default caching allocator a good part of the offloaded memory stays *reserved*:
+    With PyTorch's default caching allocator much or all of the offloaded memory stays *reserved*:
     every freed chunk is a segment of its own, the activations that fill it leave holes, and a
     chunk coming back finds no block of its size and gets a new segment (by default only part of
     the offloaded bytes comes off peak reserved memory, with expandable segments most of it; the
@@ -159,8 +159,9 @@ def allocator_choice(alloc_conf: Optional[str]):
     if "expandable_segments:true" in conf:
         return False, None
     return False, (f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf!r} does not set {EXPANDABLE_SEGMENTS}: with "
-                   "PyTorch's default caching allocator part of the offloaded memory stays reserved "
-                   f"(fragmentation). Add {EXPANDABLE_SEGMENTS} to get most of it back.")
+                   "PyTorch's default caching allocator the offloaded memory may not come off reserved "
+                   "memory at all (activations split the freed chunks' segments), so the GPU can peak as "
+                   f"high as without offloading. Add {EXPANDABLE_SEGMENTS} to get it back.")
 
 
 def _alloc_conf_from_env() -> Optional[str]:
