@@ -11,6 +11,12 @@ import torch
 from .chunks import ChunkState
 from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
 
+
+def _state_key(st: StateTensor) -> str:
+    """The optimizer's name of `st`'s state (exp_avg, exp_avg_sq, master_param)."""
+    return st.name.rsplit(".", 1)[1]
+
+
 class HostCopies:
     """Readers and writers on the host copies of offloaded chunks (module docstring)."""
 
@@ -36,12 +42,14 @@ class HostCopies:
         if repoint:
             # Chunks still exposed to an earlier asynchronous save may point at its snapshots,
             # which its writer may still be reading: a writer (a load, the masters' refresh)
-            # writes into the host copies themselves, which are the state. (A reader leaves
-            # them: one nested in a save, e.g. `state_dict` inside `sharded_state_dict`, must
-            # not turn the save's snapshots back into views.)
+            # writes into the host copies themselves, which are the state, and unscaled
+            # snapshots would go stale. (A reader leaves them: one nested in a save, e.g.
+            # `state_dict` inside `sharded_state_dict`, must not turn the save's snapshots back
+            # into views.)
             for chunk in offloaded:
                 if chunk.on_host:
                     self._point_at(chunk, chunk.host)
+                    self._stop_serving_unscaled(chunk)
         chunks = [c for c in offloaded if not c.on_host]
         if not chunks:
             return 0
@@ -65,15 +73,66 @@ class HostCopies:
         """Make the snapshot set that an asynchronous save of the whole state will take
         (`_point_at_snapshots` after `send_out_now`: every chunk, in order), before any save."""
         return self.snapshots.prepare([st.tensor for c in self.chunks for st in c.tensors
-                                       if self.snapshots.selects(st.tensor)])
+                                       if self.snapshots.selects(st.tensor)], self._unscaled_layout())
 
     def _point_at_snapshots(self, chunks) -> None:
         """The large tensors of `chunks` (pointing at their host copies) point at shared-memory
-        snapshots of them instead, where a set is free or can be made (else they stay views)."""
-        large = [st for c in chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
-        copies = self.snapshots.take([st.tensor.data for st in large]) if large else None
-        for st, copy in zip(large, copies or []):
-            st.tensor.data = copy
+        snapshots of them instead, where a set is free or can be made (else they stay views).
+
+        TE's fp16 states with a scale (`_scales_to_host` found one) are never read as they are:
+        every reader asks `get_unscaled_state`, which makes a private fp32 tensor of them on the
+        host (the writer's queue then copies it into shared memory while training waits). For
+        them the set holds the unscaled fp32 values instead, and `get_unscaled_state` returns
+        that snapshot (`_serve_unscaled`); the state tensor keeps pointing at its host copy."""
+        large = [(c, st) for c in chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
+        host_scale = {id(st): copy for c in chunks for st, _, _, _, copy in c.gpu_scales}
+        scales = [host_scale.get(id(st)) for _, st in large]
+        copies = self.snapshots.take([st.tensor.data for _, st in large], scales) if large else None
+        for (chunk, st), copy, scale in zip(large, copies or [], scales):
+            if scale is None:
+                st.tensor.data = copy
+            else:
+                self._serve_unscaled(chunk, st, copy)
+
+    def _unscaled_layout(self) -> list:
+        """Which of the tensors `prepare_snapshots` lists `_point_at_snapshots` will serve
+        unscaled (the fp16 states with a scale, as `_scales_to_host` finds them)."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        return [self._scale_of(inner, st) is not None for c in self.chunks for st in c.tensors
+                if self.snapshots.selects(st.tensor)]
+
+    def _serve_unscaled(self, chunk, st: StateTensor, snapshot: torch.Tensor) -> None:
+        """Until `chunk` leaves the host, the inner optimizer's `get_unscaled_state` returns
+        `snapshot` for `st` (while `st`'s tensor is still the state's) and asks the original
+        method for everything else. The wrapper is an instance attribute, removed with the last
+        served tensor (`_stop_serving_unscaled`)."""
+        inner = self.dist_opt.optimizer
+        if not self._unscaled:
+            original = inner.get_unscaled_state
+            served = self._unscaled
+
+            def get_unscaled_state(param, state_name, *a, **k):
+                found = served.get((id(param), state_name))
+                if found is not None and inner.state[param].get(state_name) is found[0]:
+                    return found[1]
+                return original(param, state_name, *a, **k)
+
+            get_unscaled_state.megatron_offload_original = inner.__dict__.get("get_unscaled_state")
+            inner.get_unscaled_state = get_unscaled_state
+        self._unscaled[(id(st.param), _state_key(st))] = (st.tensor, snapshot)
+        chunk.served_unscaled.append((id(st.param), _state_key(st)))
+
+    def _stop_serving_unscaled(self, chunk) -> None:
+        for key in chunk.served_unscaled:
+            self._unscaled.pop(key, None)
+        chunk.served_unscaled = []
+        inner = getattr(self.dist_opt, "optimizer", None)
+        wrapper = getattr(inner, "__dict__", {}).get("get_unscaled_state")
+        if not self._unscaled and hasattr(wrapper, "megatron_offload_original"):
+            if wrapper.megatron_offload_original is None:
+                del inner.get_unscaled_state  # (the class's method again)
+            else:
+                inner.get_unscaled_state = wrapper.megatron_offload_original
 
     def _scales_to_host(self, chunk) -> None:
         """Host copies of the scales that readers multiply `chunk`'s tensors by, while the chunk is
@@ -89,28 +148,34 @@ class HostCopies:
         stops being on the host (reload or hide), i.e. before any step, which updates them on
         the GPU; a step that met a host scale would fail loudly, never use a stale one."""
         inner = getattr(self.dist_opt, "optimizer", None)
-        scales, dtypes = getattr(inner, "_scales", None), getattr(inner, "name_to_dtype_map", None)
-        if not isinstance(scales, dict) or not isinstance(dtypes, dict):
-            return
         assert not chunk.gpu_scales, chunk  # (never swapped twice: a copy is not the scale to restore)
         found = []
         for st in chunk.tensors:
-            key = st.name.rsplit(".", 1)[1]
-            per_param = scales.get(st.param) if st.param is not None else None
-            if dtypes.get(key) == torch.float16 and per_param and key in per_param:
-                found.append((per_param, key, per_param[key]))
+            per_param = self._scale_of(inner, st)
+            if per_param is not None:
+                found.append((st, per_param, _state_key(st), per_param[_state_key(st)]))
         # Every copy made before any is installed (a failing copy leaves none swapped).
-        copies = [scale.to("cpu", copy=True) for _, _, scale in found]
-        for (per_param, key, scale), copy in zip(found, copies):
+        copies = [scale.to("cpu", copy=True) for _, _, _, scale in found]
+        for (st, per_param, key, scale), copy in zip(found, copies):
             per_param[key] = copy
-            chunk.gpu_scales.append((per_param, key, scale, copy))
+            chunk.gpu_scales.append((st, per_param, key, scale, copy))
+
+    @staticmethod
+    def _scale_of(inner, st: StateTensor):
+        """The inner optimizer's scales dict of `st`'s parameter if `st` is a TE fp16 state
+        stored scaled (the dict holds its scale under `st`'s key), else None."""
+        scales, dtypes = getattr(inner, "_scales", None), getattr(inner, "name_to_dtype_map", None)
+        if not isinstance(scales, dict) or not isinstance(dtypes, dict) or st.param is None:
+            return None
+        per_param, key = scales.get(st.param), _state_key(st)
+        return per_param if dtypes.get(key) == torch.float16 and per_param and key in per_param else None
 
     @staticmethod
     def _scales_back(chunk) -> None:
         """Undo `_scales_to_host`: the very scale tensors the optimizer made, on the GPU. (A scale
         that something replaced meanwhile, e.g. an optimizer load outside the plugin's wrappers,
         is newer than ours: it stays.)"""
-        for per_param, key, scale, copy in chunk.gpu_scales:
+        for _, per_param, key, scale, copy in chunk.gpu_scales:
             if per_param.get(key) is copy:
                 per_param[key] = scale
         chunk.gpu_scales = []
@@ -191,6 +256,7 @@ class HostCopies:
     def _off_host(self, chunk) -> None:
         """`chunk`, its tensors pointing at GPU memory again (hidden or reloaded), stops being read
         on the host: the optimizer's own scales come back with it (`_scales_back`)."""
+        self._stop_serving_unscaled(chunk)
         self._scales_back(chunk)
         chunk.gpu_views = None
         chunk.on_host = False

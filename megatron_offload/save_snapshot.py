@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import logging
+import math
 import os
 import resource
 from typing import Callable, List, Optional
@@ -104,22 +105,34 @@ def check_room(nbytes: int) -> None:
             f"{headroom / 2**30:.2f} GiB can be taken ({memory.describe()})")
 
 
+def _layout(likes: List[torch.Tensor], unscaled: Optional[List[bool]] = None) -> list:
+    """(shape, dtype) of each snapshot: the source's, or fp32 for a source served unscaled."""
+    unscaled = unscaled or [False] * len(likes)
+    return [(t.shape, torch.float32 if u else t.dtype) for t, u in zip(likes, unscaled)]
+
+
 class _Set:
     """One snapshot per large tensor of a save, in the order the save's tensors were listed."""
 
-    def __init__(self, likes: List[torch.Tensor]):
-        self.tensors = [torch.empty(t.shape, dtype=t.dtype).share_memory_() for t in likes]
+    def __init__(self, layout: list):
+        self.tensors = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout]
         # (share_memory_ copies the new pages into shared memory: every page is faulted in now)
         self._own = [_use_count(t) for t in self.tensors]
-        self.layout = [(t.shape, t.dtype) for t in likes]
+        self.layout = layout
 
     def in_use(self) -> bool:
         """Whether anything besides this set still refers to a snapshot (a pending save's request,
-        or state tensors still pointing at it)."""
+        state tensors still pointing at it, or an unscaled reader serving it)."""
         return any(_use_count(t) > own for t, own in zip(self.tensors, self._own))
 
-    def fits(self, likes: List[torch.Tensor]) -> bool:
-        return self.layout == [(t.shape, t.dtype) for t in likes]
+    def fits(self, layout: list) -> bool:
+        return self.layout == layout
+
+
+def _fill(dst: torch.Tensor, src: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
+    dst.copy_(src)  # (same dtype: a memory copy; fp16 into fp32: TE's `.float()`)
+    if scale is not None:
+        dst.mul_(scale)  # (TE's `unscaled.mul_(scale)`)
 
 
 class SaveSnapshots:
@@ -145,39 +158,47 @@ class SaveSnapshots:
         """Host bytes held by all sets."""
         return sum(_bytes(s.tensors) for s in self._sets)
 
-    def prepare(self, likes: List[torch.Tensor]) -> bool:
+    def prepare(self, likes: List[torch.Tensor], unscaled: Optional[List[bool]] = None) -> bool:
         """Make a set for tensors shaped like `likes` now (start-up) rather than at the first save,
-        which would otherwise wait for its memory to be faulted in. Whether a set for them exists."""
+        which would otherwise wait for its memory to be faulted in. `unscaled`: which of them
+        `take` will be given a scale for. Whether a set for them exists."""
         if _STORAGE_USE_COUNT is None or not likes:
             return False
-        self._sets = [s for s in self._sets if s.fits(likes) or s.in_use()]
-        if any(s.fits(likes) for s in self._sets):
+        layout = _layout(likes, unscaled)
+        self._sets = [s for s in self._sets if s.fits(layout) or s.in_use()]
+        if any(s.fits(layout) for s in self._sets):
             return True
         if len(self._sets) >= MAX_SETS:
             return False
-        return self._new_set(likes) is not None
+        return self._new_set(layout) is not None
 
-    def take(self, sources: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+    def take(self, sources: List[torch.Tensor],
+             scales: Optional[List[Optional[torch.Tensor]]] = None) -> Optional[List[torch.Tensor]]:
         """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
-        free set (made if none is free and fewer than MAX_SETS exist). None if no set is free and
-        none can be made: the caller hands out the sources themselves."""
+        free set (made if none is free and fewer than MAX_SETS exist). A source given a scale
+        (`scales[i]`, a CPU fp32 tensor) is served unscaled instead: an fp32 snapshot of
+        `source.float().mul_(scale)`, Transformer Engine's `get_unscaled_state` computed piece by
+        piece (the same conversion and the same fp32 multiply per element, so the same bits). None
+        if no set is free and none can be made: the caller hands out the sources themselves."""
         if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
             self._warn("this torch does not expose storage reference counts")
             return None
-        chosen = self._free_set(sources)
-        if chosen is None and any(s.fits(sources) for s in self._sets):
+        scales = scales or [None] * len(sources)
+        layout = _layout(sources, [s is not None for s in scales])
+        chosen = self._free_set(layout)
+        if chosen is None and any(s.fits(layout) for s in self._sets):
             # Why: a finalized save's request can stay alive in a reference cycle of the save path
             # until the garbage collector runs (megatron-core 0.19 with torch 2.8): one collection
             # costs less than a new set's pages, or than the views' copies.
             gc.collect()
-            chosen = self._free_set(sources)
+            chosen = self._free_set(layout)
         if chosen is None:
             # Sets of another layout (the state was re-packed) are dropped once free.
-            self._sets = [s for s in self._sets if s.fits(sources) or s.in_use()]
+            self._sets = [s for s in self._sets if s.fits(layout) or s.in_use()]
             if len(self._sets) >= MAX_SETS:
                 self._warn("every snapshot set is still held by an earlier save")
                 return None
-            chosen = self._new_set(sources)
+            chosen = self._new_set(layout)
             if chosen is None:
                 return None
         else:
@@ -186,36 +207,37 @@ class SaveSnapshots:
             except host_memory.HostMemoryError as err:
                 self._warn(str(err))
                 return None
-        self._copy(chosen.tensors, sources)
+        self._copy(chosen.tensors, sources, scales)
         return list(chosen.tensors)
 
-    def _new_set(self, likes: List[torch.Tensor]) -> Optional[_Set]:
-        """A new set for `likes`, kept, if the machine has room for it (else None, warned)."""
+    def _new_set(self, layout: list) -> Optional[_Set]:
+        """A new set of `layout`, kept, if the machine has room for it (else None, warned)."""
         try:
-            self._check(_bytes(likes))
-            self._check_fds(2 * len(likes))
-            made = _Set(likes)
+            self._check(sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout))
+            self._check_fds(2 * len(layout))
+            made = _Set(layout)
         except (host_memory.HostMemoryError, RuntimeError) as err:
             self._warn(str(err))
             return None
         self._sets.append(made)
         return made
 
-    def _free_set(self, likes: List[torch.Tensor]) -> Optional[_Set]:
-        return next((s for s in self._sets if s.fits(likes) and not s.in_use()), None)
+    def _free_set(self, layout: list) -> Optional[_Set]:
+        return next((s for s in self._sets if s.fits(layout) and not s.in_use()), None)
 
-    def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor]) -> None:
+    def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor],
+              scales: List[Optional[torch.Tensor]]) -> None:
         pieces = []
-        for dst, src in zip(targets, sources):
-            d, s = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
-            step = COPY_PIECE_BYTES
-            pieces += [(d[i:i + step], s[i:i + step]) for i in range(0, d.numel(), step)]
+        for dst, src, scale in zip(targets, sources, scales):
+            d, s = dst.view(-1), src.reshape(-1)
+            step = max(1, COPY_PIECE_BYTES // dst.element_size())
+            pieces += [(d[i:i + step], s[i:i + step], scale) for i in range(0, d.numel(), step)]
         if self._threads <= 1 or len(pieces) <= 1:
-            for d, s in pieces:
-                d.copy_(s)
+            for piece in pieces:
+                _fill(*piece)
             return
         with concurrent.futures.ThreadPoolExecutor(min(self._threads, len(pieces))) as pool:
-            list(pool.map(lambda pair: pair[0].copy_(pair[1]), pieces))
+            list(pool.map(lambda piece: _fill(*piece), pieces))
 
     def _warn(self, why: str) -> None:
         if not self._warned:

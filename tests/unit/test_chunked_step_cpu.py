@@ -608,6 +608,59 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked, monkeypatch):
+    """Every reader of TE's fp16 states asks `get_unscaled_state`, which makes a private fp32 tensor
+    of each on the host (the writer's queue then copies it into shared memory while training
+    waits). In an asynchronous save the plugin's snapshot set holds those fp32 values already
+    and `get_unscaled_state` hands them out: each a whole shared-memory storage with the bits TE
+    computes; states without a scale are not served; once the chunks leave the host (the next
+    forward) the optimizer's own method is back, and training goes on bit-exactly."""
+    from megatron_offload import save_snapshot
+    from megatron_offload.megatron_wiring import _wrap_state_access
+    from test_offloader_cpu import make_coord, one_iteration
+
+    monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)  # (these tensors are small)
+    ref, opt = (MegatronShapedPrecisionAware(numels=MANY, moment_dtype=torch.float16) for _ in range(2))
+    coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=True, async_save_snapshots=True)
+    off = coord.add_optimizer(opt)
+    seen = []
+
+    def params(o):
+        return [p for g in o.optimizer.param_groups for p in g["params"]]
+
+    def save(model_sd, is_loading=False):
+        seen.append([{k: opt.optimizer.get_unscaled_state(p, k) for k in ("exp_avg", "exp_avg_sq", "master_param")}
+                     for p in params(opt)])
+
+    opt.sharded_state_dict = save
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    prepared = list(off.snapshots._sets)
+    assert len(prepared) == 1
+    for step in range(3):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        (chunked_iteration if chunked else one_iteration)(opt, coord, step)
+        # The last save's chunks left the host at this iteration's forward, and with them the wrapper.
+        assert "get_unscaled_state" not in opt.optimizer.__dict__ and not off._unscaled
+        opt.sharded_state_dict({})
+        assert "get_unscaled_state" in opt.optimizer.__dict__
+        assert off.snapshots._sets == prepared  # the unscaled layout was prepared at start-up
+        state = opt.optimizer.state
+        for got, p, rp in zip(seen[-1], params(opt), params(ref)):
+            for k, value in got.items():
+                expected = ref.optimizer.get_unscaled_state(rp, k)
+                assert value.dtype == expected.dtype and torch.equal(value.view(torch.int32), expected.view(torch.int32))
+                if k == "master_param":  # (fp32: no scale, TE returns the state itself)
+                    assert value is state[p][k]
+                else:  # (TE itself would return a fresh private tensor)
+                    assert value.is_shared() and value.untyped_storage().nbytes() == value.numel() * 4
+    coord.close()
+    assert "get_unscaled_state" not in opt.optimizer.__dict__
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
 def test_an_async_save_with_nothing_offloaded_leaves_the_phase_alone():
     """A save before any state is packed (phase NO_STATE) must not mark the state offloaded: that
     would switch on the per-layer gradient hooks and the cache releases of an offloaded phase."""

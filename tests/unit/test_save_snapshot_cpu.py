@@ -33,6 +33,28 @@ def test_a_snapshot_is_a_whole_shared_storage_with_the_source_bytes(monkeypatch,
     assert snaps.nbytes == sum(s.numel() * s.element_size() for s in src)
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_source_with_a_scale_is_served_unscaled_as_te_computes_it(monkeypatch, threads):
+    """An fp16 state with a scale (Transformer Engine's FusedAdam) gets an fp32 snapshot holding
+    exactly what TE's `get_unscaled_state` returns, `state.float().mul_(scale)`, filled piece by
+    piece; the other sources keep their bytes; a prepared set of that layout is the one taken."""
+    monkeypatch.setattr(save_snapshot, "COPY_PIECE_BYTES", 4096)
+    snaps = SaveSnapshots(check=lambda n: None, threads=threads)
+    scaled = sources(2, dtype=torch.float16)[0] * 1000  # (large values: a lossy path would show)
+    scale = torch.tensor([3.0517578125e-05 * 1.37], dtype=torch.float32)  # not a power of two
+    plain = sources(3)[1]
+    assert snaps.prepare([scaled, plain], unscaled=[True, False])
+    made = [t.data_ptr() for t in snaps._sets[0].tensors]
+    got = snaps.take([scaled, plain], scales=[scale, None])
+    assert [t.data_ptr() for t in got] == made
+    assert got[0].dtype == torch.float32 and all(whole_shared(g) for g in got)
+    expected = scaled.float().mul_(scale)
+    assert torch.equal(got[0].view(torch.int32), expected.view(torch.int32))  # every bit
+    assert not torch.equal(got[0], scaled.float())  # (the scale was applied)
+    assert torch.equal(got[1], plain)
+    assert snaps.nbytes == scaled.numel() * 4 + plain.numel() * 4
+
+
 def test_a_free_set_is_reused_and_a_held_one_is_never_rewritten(caplog):
     snaps = SaveSnapshots(check=lambda n: None)
     first = snaps.take(sources(0))
@@ -122,7 +144,7 @@ def test_a_new_layout_drops_the_free_sets_of_the_old_one_and_keeps_held_ones():
     snaps.drop_free()
     assert len(snaps._sets) == 1  # only the held one
     new = sources(1, sizes=(5000,))
-    assert snaps.prepare(new) and len(snaps._sets) == 2 and snaps._sets[1].fits(new)
+    assert snaps.prepare(new) and len(snaps._sets) == 2 and snaps._sets[1].fits(save_snapshot._layout(new))
     del held
     snaps.drop_free()
     assert len(snaps._sets) == 0
