@@ -153,12 +153,16 @@ class HostLeadBound:
     stream of its own, so the autograd engine marks each weight gradient as used on that stream
     (record_stream), and the caching allocator defers the gradient's free until that stream's
     event completes on the GPU. A host running far ahead of the GPU therefore allocates the next
-    layers' activations while the last backward's gradients (hundreds of MiB per microbatch) are
-    freed on the host but not reusable yet: the requests map new memory, and *reserved* memory
+    layers' activations while the last backward's weight gradients are freed on the host but not
+    reusable yet: the requests map new memory, and *reserved* memory
     depends on how far ahead the host happened to be. The plugin's copy waits stall the GPU
     while the host runs on, which makes that lead large. With the bound, a deferred free becomes
     reusable at most `depth` layers after its request. See [Note: host lead] in docs/design.md.
     Invariant: after `mark()`, at most `depth` recorded points are not known to be complete.
+    The points are the coordinator's layer hooks: every pacing module's forward, and the backward
+    hooks it registers (while state is packed). Waiting on a point already enqueued adds no
+    dependency the GPU did not have, so it cannot deadlock on GPU work; a collective that blocks
+    the host inside the forward or backward (a CPU-side one) would still run, one point later.
     """
 
     def __init__(self, stream, depth: int, new_event: Optional[Callable[[], object]] = None):

@@ -126,9 +126,10 @@ def grad_accumulators_on_current_stream(ddp_modules) -> int:
     stream it was created on; the autograd engine then marks every weight gradient as used on that
     stream, and the caching allocator defers the gradient's free to an event of that stream (see
     [Note: host lead] in docs/design.md). Nodes created on the compute stream leave those frees
-    immediate. A node still referenced elsewhere would survive, keep its hook and get a second
-    one: that raises instead (each old node is marked before it is dropped)."""
-    replaced = 0
+    immediate. A node still referenced elsewhere survives with its hook (each old node is marked
+    before it is dropped, so it is recognised): it goes back into `grad_accs` unchanged, never gets
+    a second hook, and the call raises once every other node is replaced."""
+    replaced = kept = 0
     for ddp in ddp_modules:
         if not getattr(ddp, "grad_accs", None):
             continue
@@ -137,14 +138,18 @@ def grad_accumulators_on_current_stream(ddp_modules) -> int:
             node.metadata["megatron_offload_replaced"] = True
         del node
         ddp.grad_accs = []  # (the last references: the nodes go, the parameters' caches expire)
-        for param in params:
-            node = param.expand_as(param).grad_fn.next_functions[0][0]
-            if node.metadata.get("megatron_offload_replaced"):
-                raise RuntimeError("an AccumulateGrad node of megatron-core's DDP is referenced outside "
-                                   "`grad_accs`: it cannot be re-created on another stream")
-            node.register_hook(ddp._make_backward_post_hook(param))
-            ddp.grad_accs.append(node)
-            replaced += 1
+        with torch.enable_grad():  # (no grad_fn otherwise)
+            for param in params:
+                node = param.expand_as(param).grad_fn.next_functions[0][0]
+                if node.metadata.get("megatron_offload_replaced"):
+                    kept += 1  # (its own hook is still registered on it)
+                else:
+                    node.register_hook(ddp._make_backward_post_hook(param))
+                    replaced += 1
+                ddp.grad_accs.append(node)
+    if kept:
+        raise RuntimeError(f"{kept} AccumulateGrad node(s) of megatron-core's DDP are referenced outside "
+                           "`grad_accs`: left on the stream they were made on, with their hooks")
     return replaced
 
 

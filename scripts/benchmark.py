@@ -430,8 +430,10 @@ def report(results, ceilings):
                 f" {k}={cols[k][i]}" for k in ("gc_full", "device_allocs") if cols[k][i])
                 for i in range(1, len(res)) if res[i] > res[i - 1]]
             full = [i + 1 for i, n in enumerate(cols["gc_full"]) if n]
-            notes.append(f"{name} rank {rank}: peak reserved MiB per iteration {res}; grew at "
-                         f"{'; '.join(grew) or 'none'}; full collections in {full or 'none'}")
+            listed = f"peak reserved MiB per iteration {res}; " if rank == 0 and len(res) <= 60 else ""
+            notes.append(f"{name} rank {rank}: {listed}grew at {'; '.join(grew[:20]) or 'none'}"
+                         f"{f' (+{len(grew) - 20} more)' if len(grew) > 20 else ''}; full collections in "
+                         f"{full[:20] or 'none'}")
         if r.get("saves"):
             notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
                 f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s, GPU "

@@ -633,7 +633,8 @@ def test_grad_accumulators_are_recreated_with_one_hook_each():
     for node in ddp.grad_accs:
         node.metadata["test_old"] = True
     del node
-    assert upstream_fixes.grad_accumulators_on_current_stream([ddp, object()]) == 2
+    with torch.no_grad():  # (as a caller under no_grad would: the call enables it itself)
+        assert upstream_fixes.grad_accumulators_on_current_stream([ddp, object()]) == 2
     assert not any("test_old" in n.metadata for n in ddp.grad_accs)  # new nodes
     assert [n.variable for n in ddp.grad_accs] == list(ddp.module.parameters())
     ddp.module(torch.ones(2, 4)).sum().backward()
@@ -645,6 +646,11 @@ def test_a_grad_accumulator_held_elsewhere_is_refused():
     from megatron_offload import upstream_fixes
 
     ddp = _HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
-    held = ddp.grad_accs[0]  # noqa: F841  (a reference outside grad_accs keeps the node alive)
-    with pytest.raises(RuntimeError, match="referenced outside"):
+    held = ddp.grad_accs[0]  # a reference outside grad_accs keeps the node alive
+    with pytest.raises(RuntimeError, match="1 AccumulateGrad node"):
         upstream_fixes.grad_accumulators_on_current_stream([ddp])
+    # Left consistent: the survivor is back in grad_accs with its one hook, the other is new.
+    assert ddp.grad_accs[0] is held and len(ddp.grad_accs) == 2
+    del held
+    ddp.module(torch.ones(2, 4)).sum().backward()
+    assert sorted(map(id, ddp.calls)) == sorted(map(id, ddp.module.parameters()))

@@ -1943,7 +1943,9 @@ def test_the_host_lead_bound_waits_only_for_the_point_depth_marks_back():
     assert off.depth == 0 and off.waits == 0
 
 
-def test_the_coordinator_marks_the_host_lead_at_every_layer_hook():
+def test_the_coordinator_marks_the_host_lead_at_every_layer_hook(monkeypatch):
+    from megatron_offload import coordinator as coordinator_module
+
     opt = FakeDistOpt()
     coord = make_coord()
     coord.add_optimizer(opt)
@@ -1952,4 +1954,12 @@ def test_the_coordinator_marks_the_host_lead_at_every_layer_hook():
     one_iteration(opt, coord, 0)
     one_iteration(opt, coord, 1)
     # Every forward and backward layer hook of both microbatches of both iterations.
+    assert len(marks) == 2 * 2 * 2 * LAYERS
+    # Not an evaluation forward between iterations, nor a recomputation inside a backward.
+    coord.forward_begin(False)
+    coord.layer_forward_begin()
+    coord.forward_end()
+    coord.forward_begin(True)
+    monkeypatch.setattr(coordinator_module, "in_backward", lambda: True)
+    coord.layer_forward_begin()
     assert len(marks) == 2 * 2 * 2 * LAYERS
