@@ -6,15 +6,55 @@ ones it packed.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from .chunks import ChunkState
 from .discovery import OFFLOADED_STATE_KEYS, StateTensor, master_ids
+from .save_snapshot import Fp32
 
 
 def _state_key(st: StateTensor) -> str:
     """The optimizer's name of `st`'s state (exp_avg, exp_avg_sq, master_param)."""
     return st.name.rsplit(".", 1)[1]
+
+
+def _as_fp32(inner, st: StateTensor, host_scale: Optional[torch.Tensor]) -> Optional[Fp32]:
+    """How an asynchronous save serves `st` as fp32 (TE's `get_unscaled_state` of it), or None to
+    snapshot it as it is: fp16 states with a host copy of their scale (`_scales_to_host`), and bf16
+    states, which TE unscales by conversion alone."""
+    dtypes = getattr(inner, "name_to_dtype_map", None)
+    if not isinstance(dtypes, dict) or not hasattr(inner, "get_unscaled_state") or st.param is None:
+        return None
+    dtype = dtypes.get(_state_key(st))
+    if dtype == torch.float16 and st.tensor.dtype == torch.float16 and host_scale is not None:
+        return Fp32(host_scale)
+    if dtype == torch.bfloat16 and st.tensor.dtype == torch.bfloat16:
+        return Fp32(None)
+    return None
+
+
+class _Served(NamedTuple):
+    """A state served as an fp32 snapshot while its chunk is on the host (`_serve_unscaled`)."""
+
+    tensor: torch.Tensor  # the state tensor (pointing at its host copy)
+    # Its version counter then: an in-place write since makes the snapshot stale. (The tensors of
+    # one chunk may share a counter: a write to any of them ends the serving of all, which is safe.)
+    version: int
+    key: str
+    scale: Optional[torch.Tensor]  # fp16: the host copy of the scale the snapshot used
+    alias: torch.Tensor  # the snapshot, as handed to readers
+
+    def current(self, inner, param, skip_unscale: bool = False) -> bool:
+        """Whether the snapshot is what TE's method would return now: the same state tensor,
+        unwritten, with the same scale (fp16); bf16 asked without `skip_unscale` (which TE
+        answers with the bf16 state itself)."""
+        if inner.state[param].get(self.key) is not self.tensor or self.tensor._version != self.version:
+            return False
+        if self.scale is None:
+            return not skip_unscale
+        return inner._scales[param].get(self.key) is self.scale
 
 
 class HostCopies:
@@ -79,31 +119,33 @@ class HostCopies:
         """The large tensors of `chunks` (pointing at their host copies) point at shared-memory
         snapshots of them instead, where a set is free or can be made (else they stay views).
 
-        TE's fp16 states with a scale (`_scales_to_host` found one) are never read as they are:
-        every reader asks `get_unscaled_state`, which makes a private fp32 tensor of them on the
-        host (the writer's queue then copies it into shared memory while training waits). For
-        them the set holds the unscaled fp32 values instead, and `get_unscaled_state` returns
-        that snapshot (`_serve_unscaled`); the state tensor keeps pointing at its host copy."""
+        TE's fp16 and bf16 states are never read as they are: every reader asks
+        `get_unscaled_state`, which makes a private fp32 tensor of each on the host (the writer's
+        queue then copies it into shared memory while training waits). For them the set holds
+        the fp32 values instead, and `get_unscaled_state` returns that snapshot
+        (`_serve_unscaled`); the state tensor keeps pointing at its host copy."""
+        inner = getattr(self.dist_opt, "optimizer", None)
         large = [(c, st) for c in chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
         host_scale = {id(st): copy for c in chunks for st, _, _, _, copy in c.gpu_scales}
-        scales = [host_scale.get(id(st)) for _, st in large]
-        copies = self.snapshots.take([st.tensor.data for _, st in large], scales) if large else None
-        for (chunk, st), copy, scale in zip(large, copies or [], scales):
-            if scale is None:
+        as_fp32 = [_as_fp32(inner, st, host_scale.get(id(st))) for _, st in large]
+        copies = self.snapshots.take([st.tensor.data for _, st in large], as_fp32) if large else None
+        for (chunk, st), copy, fp32 in zip(large, copies or [], as_fp32):
+            if fp32 is None:
                 st.tensor.data = copy
             else:
-                self._serve_unscaled(chunk, st, copy)
+                self._serve_unscaled(chunk, st, copy, fp32)
 
     def _unscaled_layout(self) -> list:
-        """Which of the tensors `prepare_snapshots` lists `_point_at_snapshots` will serve
-        unscaled (the fp16 states with a scale, as `_scales_to_host` finds them)."""
+        """Which of the tensors `prepare_snapshots` lists `_point_at_snapshots` will serve as fp32
+        (the same test, with the scale a placeholder: only the layout matters here)."""
         inner = getattr(self.dist_opt, "optimizer", None)
-        return [self._scale_of(inner, st) is not None for c in self.chunks for st in c.tensors
-                if self.snapshots.selects(st.tensor)]
+        placeholder = torch.ones(1)
+        return [_as_fp32(inner, st, placeholder if self._scale_of(inner, st) is not None else None) is not None
+                for c in self.chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
 
-    def _serve_unscaled(self, chunk, st: StateTensor, snapshot: torch.Tensor) -> None:
+    def _serve_unscaled(self, chunk, st: StateTensor, snapshot: torch.Tensor, fp32: Fp32) -> None:
         """Until `chunk` leaves the host, the inner optimizer's `get_unscaled_state` returns
-        `snapshot` for `st` (while `st`'s tensor is still the state's) and asks the original
+        `snapshot` for `st` while it is still current (`_Served.current`) and asks the original
         method for everything else. The wrapper is an instance attribute, removed with the last
         served tensor (`_stop_serving_unscaled`)."""
         inner = self.dist_opt.optimizer
@@ -113,14 +155,17 @@ class HostCopies:
 
             def get_unscaled_state(param, state_name, *a, **k):
                 found = served.get((id(param), state_name))
-                if found is not None and inner.state[param].get(state_name) is found[0]:
-                    return found[1]
+                if found is not None and found.current(inner, param, *a, **k):
+                    return found.alias
                 return original(param, state_name, *a, **k)
 
             get_unscaled_state.megatron_offload_original = inner.__dict__.get("get_unscaled_state")
             inner.get_unscaled_state = get_unscaled_state
-        self._unscaled[(id(st.param), _state_key(st))] = (st.tensor, snapshot)
-        chunk.served_unscaled.append((id(st.param), _state_key(st)))
+        key = (id(st.param), _state_key(st))
+        # Why an alias: readers keep what they are given, and only a new tensor object on the
+        # storage counts as a user of the set (`_Set.in_use`); the set's own object does not.
+        self._unscaled[key] = _Served(st.tensor, st.tensor._version, _state_key(st), fp32.scale, snapshot.detach())
+        chunk.served_unscaled.append(key)
 
     def _stop_serving_unscaled(self, chunk) -> None:
         for key in chunk.served_unscaled:

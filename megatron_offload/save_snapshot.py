@@ -15,7 +15,8 @@ hence the tensors, until the write is finalized), so the next step's copy-out ca
 pinned buffer at once. Small tensors keep the buffer's views (cloned by the writer; cheap).
 
 [Note: snapshot cost]
-One set costs host memory equal to the offloaded bytes it covers (shared memory: /dev/shm, counted
+One set costs host memory equal to the offloaded bytes it covers (twice the bytes of fp16 / bf16 states that it
+holds as fp32 for `get_unscaled_state`, see host_copies.py) (shared memory: /dev/shm, counted
 against the node's MemAvailable) for as long as training runs; a second set is made only when a
 save finds the first still held by one writing (so up to twice those bytes, kept once made). Where neither fits (`check`), the save falls back to the
 buffer's views, which the writer copies itself.
@@ -24,6 +25,7 @@ buffer's views, which the writer copies itself.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import math
@@ -105,6 +107,15 @@ def check_room(nbytes: int) -> None:
             f"{headroom / 2**30:.2f} GiB can be taken ({memory.describe()})")
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp32:
+    """How `take` serves a source as fp32: `source.float()`, then times `scale` when one is given
+    (Transformer Engine's `get_unscaled_state`: bf16 states unscaled by conversion alone, fp16
+    states also multiplied by their scale, a CPU fp32 `[1]` tensor)."""
+
+    scale: Optional[torch.Tensor] = None
+
+
 def _layout(likes: List[torch.Tensor], unscaled: Optional[List[bool]] = None) -> list:
     """(shape, dtype) of each snapshot: the source's, or fp32 for a source served unscaled."""
     unscaled = unscaled or [False] * len(likes)
@@ -130,7 +141,7 @@ class _Set:
 
 
 def _fill(dst: torch.Tensor, src: torch.Tensor, scale: Optional[torch.Tensor]) -> None:
-    dst.copy_(src)  # (same dtype: a memory copy; fp16 into fp32: TE's `.float()`)
+    dst.copy_(src)  # (same dtype: a memory copy; fp16 / bf16 into fp32: TE's `.float()`)
     if scale is not None:
         dst.mul_(scale)  # (TE's `unscaled.mul_(scale)`)
 
@@ -173,18 +184,18 @@ class SaveSnapshots:
         return self._new_set(layout) is not None
 
     def take(self, sources: List[torch.Tensor],
-             scales: Optional[List[Optional[torch.Tensor]]] = None) -> Optional[List[torch.Tensor]]:
+             as_fp32: Optional[List[Optional[Fp32]]] = None) -> Optional[List[torch.Tensor]]:
         """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
-        free set (made if none is free and fewer than MAX_SETS exist). A source given a scale
-        (`scales[i]`, a CPU fp32 tensor) is served unscaled instead: an fp32 snapshot of
-        `source.float().mul_(scale)`, Transformer Engine's `get_unscaled_state` computed piece by
-        piece (the same conversion and the same fp32 multiply per element, so the same bits). None
-        if no set is free and none can be made: the caller hands out the sources themselves."""
+        free set (made if none is free and fewer than MAX_SETS exist). A source with an `Fp32`
+        entry in `as_fp32` is served as fp32 instead: Transformer Engine's `get_unscaled_state`
+        computed piece by piece (the same conversion and the same fp32 multiply per element, so
+        the same bits). None if no set is free and none can be made: the caller hands out the
+        sources themselves."""
         if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
             self._warn("this torch does not expose storage reference counts")
             return None
-        scales = scales or [None] * len(sources)
-        layout = _layout(sources, [s is not None for s in scales])
+        as_fp32 = as_fp32 or [None] * len(sources)
+        layout = _layout(sources, [f is not None for f in as_fp32])
         chosen = self._free_set(layout)
         if chosen is None and any(s.fits(layout) for s in self._sets):
             # Why: a finalized save's request can stay alive in a reference cycle of the save path
@@ -207,7 +218,7 @@ class SaveSnapshots:
             except host_memory.HostMemoryError as err:
                 self._warn(str(err))
                 return None
-        self._copy(chosen.tensors, sources, scales)
+        self._copy(chosen.tensors, sources, as_fp32)
         return list(chosen.tensors)
 
     def _new_set(self, layout: list) -> Optional[_Set]:
@@ -226,9 +237,10 @@ class SaveSnapshots:
         return next((s for s in self._sets if s.fits(layout) and not s.in_use()), None)
 
     def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor],
-              scales: List[Optional[torch.Tensor]]) -> None:
+              as_fp32: List[Optional[Fp32]]) -> None:
         pieces = []
-        for dst, src, scale in zip(targets, sources, scales):
+        for dst, src, fp32 in zip(targets, sources, as_fp32):
+            scale = fp32.scale if fp32 is not None else None
             d, s = dst.view(-1), src.reshape(-1)
             step = max(1, COPY_PIECE_BYTES // dst.element_size())
             pieces += [(d[i:i + step], s[i:i + step], scale) for i in range(0, d.numel(), step)]

@@ -608,8 +608,9 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+@pytest.mark.parametrize("moments", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
-def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked, monkeypatch):
+def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked, moments, monkeypatch):
     """Every reader of TE's fp16 states asks `get_unscaled_state`, which makes a private fp32 tensor
     of each on the host (the writer's queue then copies it into shared memory while training
     waits). In an asynchronous save the plugin's snapshot set holds those fp32 values already
@@ -621,7 +622,7 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
     from test_offloader_cpu import make_coord, one_iteration
 
     monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)  # (these tensors are small)
-    ref, opt = (MegatronShapedPrecisionAware(numels=MANY, moment_dtype=torch.float16) for _ in range(2))
+    ref, opt = (MegatronShapedPrecisionAware(numels=MANY, moment_dtype=moments) for _ in range(2))
     coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=True, async_save_snapshots=True)
     off = coord.add_optimizer(opt)
     seen = []
@@ -644,6 +645,10 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
         (chunked_iteration if chunked else one_iteration)(opt, coord, step)
         # The last save's chunks left the host at this iteration's forward, and with them the wrapper.
         assert "get_unscaled_state" not in opt.optimizer.__dict__ and not off._unscaled
+        if step:  # what the last save's reader still holds keeps its set from being rewritten
+            assert off.snapshots._sets[0].in_use()
+            held = None
+            assert not off.snapshots._sets[0].in_use()
         opt.sharded_state_dict({})
         assert "get_unscaled_state" in opt.optimizer.__dict__
         assert off.snapshots._sets == prepared  # the unscaled layout was prepared at start-up
@@ -656,9 +661,64 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
                     assert value is state[p][k]
                 else:  # (TE itself would return a fresh private tensor)
                     assert value.is_shared() and value.untyped_storage().nbytes() == value.numel() * 4
+                    if moments == torch.bfloat16:  # (asked for the stored bf16: TE's answer, unserved)
+                        assert opt.optimizer.get_unscaled_state(p, k, skip_unscale=True) is state[p][k]
+        held = seen.pop()  # (a pending save's request keeps what it was given)
+        del got, value
     coord.close()
     assert "get_unscaled_state" not in opt.optimizer.__dict__
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+def test_served_unscaled_states_stay_current_or_are_not_served():
+    """While TE's fp16 states are served from snapshots: an in-place write to a state (a load's
+    `set_scaled_state`, unwrapped) or a state replaced makes TE's own method answer again; a
+    writer that re-points the chunks at their host copies ends the serving; a save that finds no
+    free snapshot set serves nothing (TE's method, with the host copies of the scales)."""
+    from megatron_offload import save_snapshot
+    from test_offloader_cpu import make_coord, one_iteration
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)
+    try:
+        opt = MegatronShapedPrecisionAware(numels=MANY, moment_dtype=torch.float16)
+        coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True)
+        off = coord.add_optimizer(opt)
+        coord.offload_existing_state()
+        one_iteration(opt, coord, 0)
+        inner = opt.optimizer
+        p = inner.param_groups[0]["params"][0]
+
+        def served(q, k):
+            return inner.get_unscaled_state(q, k).is_shared()
+
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
+            assert served(p, "exp_avg") and served(p, "exp_avg_sq")
+            kept = inner.state[p]["exp_avg_sq"]
+            inner.state[p]["exp_avg_sq"] = kept.clone()  # replaced: not the state it was made from
+            assert not served(p, "exp_avg_sq")
+            inner.state[p]["exp_avg_sq"] = kept
+            assert served(p, "exp_avg_sq")
+            inner.state[p]["exp_avg"].add_(1)  # written in place: the snapshot is stale
+            fresh = inner.get_unscaled_state(p, "exp_avg")
+            assert not fresh.is_shared()
+            assert torch.equal(fresh, inner.state[p]["exp_avg"].float().mul_(inner._scales[p]["exp_avg"]))
+            q = inner.param_groups[0]["params"][-1]  # (another chunk's: still served)
+            assert served(q, "exp_avg")
+            off.expose_host_copies(repoint=True)  # a writer: the host copies are the state again
+            assert "get_unscaled_state" not in inner.__dict__ and not served(q, "exp_avg")
+        coord.forward_begin(True)
+        coord.forward_end()
+        coord.backward_begin()
+        coord.grads_finalizing()
+        opt.step()
+        coord.optimizer_step_done()
+        monkeypatch.setattr(off.snapshots, "take", lambda *a, **k: None)  # no set free
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
+            assert "get_unscaled_state" not in inner.__dict__ and not served(p, "exp_avg")
+        coord.close()
+    finally:
+        monkeypatch.undo()
 
 
 def test_an_async_save_with_nothing_offloaded_leaves_the_phase_alone():

@@ -45,7 +45,7 @@ def test_a_source_with_a_scale_is_served_unscaled_as_te_computes_it(monkeypatch,
     plain = sources(3)[1]
     assert snaps.prepare([scaled, plain], unscaled=[True, False])
     made = [t.data_ptr() for t in snaps._sets[0].tensors]
-    got = snaps.take([scaled, plain], scales=[scale, None])
+    got = snaps.take([scaled, plain], as_fp32=[save_snapshot.Fp32(scale), None])
     assert [t.data_ptr() for t in got] == made
     assert got[0].dtype == torch.float32 and all(whole_shared(g) for g in got)
     expected = scaled.float().mul_(scale)
@@ -53,6 +53,10 @@ def test_a_source_with_a_scale_is_served_unscaled_as_te_computes_it(monkeypatch,
     assert not torch.equal(got[0], scaled.float())  # (the scale was applied)
     assert torch.equal(got[1], plain)
     assert snaps.nbytes == scaled.numel() * 4 + plain.numel() * 4
+    # bf16 as fp32 without a scale: TE's `.float()`, every bit.
+    bf16 = sources(4, dtype=torch.bfloat16)[1]
+    got = snaps.take([bf16], as_fp32=[save_snapshot.Fp32()])
+    assert got[0].dtype == torch.float32 and torch.equal(got[0], bf16.float())
 
 
 def test_a_free_set_is_reused_and_a_held_one_is_never_rewritten(caplog):
