@@ -647,7 +647,7 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
         assert "get_unscaled_state" not in opt.optimizer.__dict__ and not off._unscaled
         if step:  # what the last save's reader still holds keeps its set from being rewritten
             assert off.snapshots._sets[0].in_use()
-            held = None
+            del held
             assert not off.snapshots._sets[0].in_use()
         opt.sharded_state_dict({})
         assert "get_unscaled_state" in opt.optimizer.__dict__
@@ -663,7 +663,7 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
                     assert value.is_shared() and value.untyped_storage().nbytes() == value.numel() * 4
                     if moments == torch.bfloat16:  # (asked for the stored bf16: TE's answer, unserved)
                         assert opt.optimizer.get_unscaled_state(p, k, skip_unscale=True) is state[p][k]
-        held = seen.pop()  # (a pending save's request keeps what it was given)
+        held = seen.pop()  # noqa: F841  (a pending save's request keeps what it was given)
         del got, value
     coord.close()
     assert "get_unscaled_state" not in opt.optimizer.__dict__
