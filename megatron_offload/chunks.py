@@ -134,8 +134,7 @@ class Chunk:
         # reload (`hide_host_copies`, `start_copy_in`).
         self.on_host = False
         self.gpu_views: Optional[List[torch.Tensor]] = None  # the tensors' GPU views while on_host
-        # (state tensor, scales dict, key, GPU scale, host copy) of TE's fp16 states while on_host
-        # (`_scales_to_host`)
+        # (scales dict, key, GPU scale, host copy) of TE's fp16 states while on_host (`_scales_to_host`)
         self.gpu_scales: List[tuple] = []
         # (id(param), key) of its tensors the inner optimizer serves unscaled from snapshots while
         # on_host (host_copies._serve_unscaled)

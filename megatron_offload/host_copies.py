@@ -20,17 +20,26 @@ def _state_key(st: StateTensor) -> str:
     return st.name.rsplit(".", 1)[1]
 
 
-def _as_fp32(inner, st: StateTensor, host_scale: Optional[torch.Tensor]) -> Optional[Fp32]:
-    """How an asynchronous save serves `st` as fp32 (TE's `get_unscaled_state` of it), or None to
-    snapshot it as it is: fp16 states with a host copy of their scale (`_scales_to_host`), and bf16
-    states, which TE unscales by conversion alone."""
-    dtypes = getattr(inner, "name_to_dtype_map", None)
-    if not isinstance(dtypes, dict) or not hasattr(inner, "get_unscaled_state") or st.param is None:
+def _scales_of(inner, st: StateTensor):
+    """The inner optimizer's scales dict of `st`'s parameter if `st` is a TE fp16 state stored
+    scaled (the dict holds its scale under `st`'s key), else None."""
+    scales, dtypes = getattr(inner, "_scales", None), getattr(inner, "name_to_dtype_map", None)
+    if not isinstance(scales, dict) or not isinstance(dtypes, dict) or st.param is None:
         return None
-    dtype = dtypes.get(_state_key(st))
-    if dtype == torch.float16 and st.tensor.dtype == torch.float16 and host_scale is not None:
-        return Fp32(host_scale)
-    if dtype == torch.bfloat16 and st.tensor.dtype == torch.bfloat16:
+    per_param, key = scales.get(st.param), _state_key(st)
+    return per_param if dtypes.get(key) == torch.float16 and per_param and key in per_param else None
+
+
+def _as_fp32(inner, st: StateTensor) -> Optional[Fp32]:
+    """How an asynchronous save serves `st` as fp32 (TE's `get_unscaled_state` of it), or None to
+    snapshot it as it is: fp16 states, times their scale (while exposed, the host copy
+    `_scales_to_host` put in its place), and bf16 states, which TE unscales by conversion alone."""
+    per_param = _scales_of(inner, st)
+    if per_param is not None and st.tensor.dtype == torch.float16:
+        return Fp32(per_param[_state_key(st)])
+    dtypes = getattr(inner, "name_to_dtype_map", None)
+    if (isinstance(dtypes, dict) and hasattr(inner, "get_unscaled_state") and st.param is not None
+            and dtypes.get(_state_key(st)) == torch.bfloat16 and st.tensor.dtype == torch.bfloat16):
         return Fp32(None)
     return None
 
@@ -126,8 +135,7 @@ class HostCopies:
         (`_serve_unscaled`); the state tensor keeps pointing at its host copy."""
         inner = getattr(self.dist_opt, "optimizer", None)
         large = [(c, st) for c in chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
-        host_scale = {id(st): copy for c in chunks for st, _, _, _, copy in c.gpu_scales}
-        as_fp32 = [_as_fp32(inner, st, host_scale.get(id(st))) for _, st in large]
+        as_fp32 = [_as_fp32(inner, st) for _, st in large]
         copies = self.snapshots.take([st.tensor.data for _, st in large], as_fp32) if large else None
         for (chunk, st), copy, fp32 in zip(large, copies or [], as_fp32):
             if fp32 is None:
@@ -136,12 +144,10 @@ class HostCopies:
                 self._serve_unscaled(chunk, st, copy, fp32)
 
     def _unscaled_layout(self) -> list:
-        """Which of the tensors `prepare_snapshots` lists `_point_at_snapshots` will serve as fp32
-        (the same test, with the scale a placeholder: only the layout matters here)."""
+        """Which of the tensors `prepare_snapshots` lists `_point_at_snapshots` will serve as fp32."""
         inner = getattr(self.dist_opt, "optimizer", None)
-        placeholder = torch.ones(1)
-        return [_as_fp32(inner, st, placeholder if self._scale_of(inner, st) is not None else None) is not None
-                for c in self.chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
+        return [_as_fp32(inner, st) is not None for c in self.chunks for st in c.tensors
+                if self.snapshots.selects(st.tensor)]
 
     def _serve_unscaled(self, chunk, st: StateTensor, snapshot: torch.Tensor, fp32: Fp32) -> None:
         """Until `chunk` leaves the host, the inner optimizer's `get_unscaled_state` returns
@@ -196,31 +202,21 @@ class HostCopies:
         assert not chunk.gpu_scales, chunk  # (never swapped twice: a copy is not the scale to restore)
         found = []
         for st in chunk.tensors:
-            per_param = self._scale_of(inner, st)
+            per_param = _scales_of(inner, st)
             if per_param is not None:
-                found.append((st, per_param, _state_key(st), per_param[_state_key(st)]))
+                found.append((per_param, _state_key(st), per_param[_state_key(st)]))
         # Every copy made before any is installed (a failing copy leaves none swapped).
-        copies = [scale.to("cpu", copy=True) for _, _, _, scale in found]
-        for (st, per_param, key, scale), copy in zip(found, copies):
+        copies = [scale.to("cpu", copy=True) for _, _, scale in found]
+        for (per_param, key, scale), copy in zip(found, copies):
             per_param[key] = copy
-            chunk.gpu_scales.append((st, per_param, key, scale, copy))
-
-    @staticmethod
-    def _scale_of(inner, st: StateTensor):
-        """The inner optimizer's scales dict of `st`'s parameter if `st` is a TE fp16 state
-        stored scaled (the dict holds its scale under `st`'s key), else None."""
-        scales, dtypes = getattr(inner, "_scales", None), getattr(inner, "name_to_dtype_map", None)
-        if not isinstance(scales, dict) or not isinstance(dtypes, dict) or st.param is None:
-            return None
-        per_param, key = scales.get(st.param), _state_key(st)
-        return per_param if dtypes.get(key) == torch.float16 and per_param and key in per_param else None
+            chunk.gpu_scales.append((per_param, key, scale, copy))
 
     @staticmethod
     def _scales_back(chunk) -> None:
         """Undo `_scales_to_host`: the very scale tensors the optimizer made, on the GPU. (A scale
         that something replaced meanwhile, e.g. an optimizer load outside the plugin's wrappers,
         is newer than ours: it stays.)"""
-        for _, per_param, key, scale, copy in chunk.gpu_scales:
+        for per_param, key, scale, copy in chunk.gpu_scales:
             if per_param.get(key) is copy:
                 per_param[key] = scale
         chunk.gpu_scales = []

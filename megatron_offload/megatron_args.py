@@ -101,9 +101,10 @@ def add_flags(parser):
         type=int,
         default=DEFAULT_HOST_LEAD_LAYERS,
         help="Keep the host at most this many layers (layer hooks, the output layer included) "
-        "ahead of the GPU during the forward and backward (0: no bound). Megatron frees weight gradients through a stream of its own, so "
-        "a host far ahead allocates before those frees are usable, and reserved memory grows "
-        "while the GPU waits for the plugin's copies. (megatron-offload)",
+        "ahead of the GPU during the forward and backward (0: no bound). Megatron frees weight "
+        "gradients through a stream of its own, so a host far ahead allocates before those frees "
+        "are usable, and reserved memory grows while the GPU waits for the plugin's copies. "
+        "(megatron-offload)",
     )
     group.add_argument(
         "--offload-no-timing",

@@ -99,8 +99,8 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         # not enqueued yet has no `ready`, so `flush_copy_out` enqueues it first wherever one is needed.
         self.feeder = None
         self.snapshots = SaveSnapshots()  # for asynchronous saves (expose_host_copies); empty until one
-        # (id(param), key) -> (state tensor, fp32 snapshot) of TE fp16 states that the inner
-        # optimizer's `get_unscaled_state` serves from snapshots while on the host (host_copies.py)
+        # (id(param), key) -> host_copies._Served: TE's 16-bit states that the inner optimizer's
+        # `get_unscaled_state` serves from fp32 snapshots while on the host
         self._unscaled: dict = {}
         self.discovery = Discovery([], [])
         self.stats = streams.stats

@@ -15,8 +15,8 @@ hence the tensors, until the write is finalized), so the next step's copy-out ca
 pinned buffer at once. Small tensors keep the buffer's views (cloned by the writer; cheap).
 
 [Note: snapshot cost]
-One set costs host memory equal to the offloaded bytes it covers (twice the bytes of fp16 / bf16 states that it
-holds as fp32 for `get_unscaled_state`, see host_copies.py) (shared memory: /dev/shm, counted
+One set costs host memory equal to the offloaded bytes it covers, TE's fp16 / bf16 states twice theirs (held as the
+fp32 values `get_unscaled_state` returns, see host_copies.py), in shared memory (/dev/shm, counted
 against the node's MemAvailable) for as long as training runs; a second set is made only when a
 save finds the first still held by one writing (so up to twice those bytes, kept once made). Where neither fits (`check`), the save falls back to the
 buffer's views, which the writer copies itself.
