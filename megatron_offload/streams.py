@@ -154,9 +154,9 @@ class HostLeadBound:
     (record_stream), and the caching allocator defers the gradient's free until that stream's
     event completes on the GPU. A host running far ahead of the GPU therefore allocates the next
     layers' activations while the last backward's weight gradients are freed on the host but not
-    reusable yet: the requests map new memory, and *reserved* memory
-    depends on how far ahead the host happened to be. The plugin's copy waits stall the GPU
-    while the host runs on, which makes that lead large. With the bound, a deferred free becomes
+    reusable yet: the requests map new memory, and *reserved* memory depends on how far ahead the
+    host happened to be. The plugin's copy waits stall the GPU while the host runs on, which
+    makes that lead large. With the bound, a deferred free becomes
     reusable at most `depth` layers after its request. See [Note: host lead] in docs/design.md.
     Invariant: after `mark()`, at most `depth` recorded points are not known to be complete.
     The points are the coordinator's layer hooks: every pacing module's forward, and the backward
