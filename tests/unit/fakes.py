@@ -323,6 +323,26 @@ class FakePrecisionAwareDistOpt:
         self.optimizer.step()
 
 
+class HookedLikeMegatronDDP:
+    """megatron-core DDP's hook registration in miniature: an AccumulateGrad node per parameter of
+    `module`, kept in `grad_accs`, with a hook that records each call (the parameter, and the
+    current CUDA stream where there is one)."""
+
+    def __init__(self, module):
+        self.module, self.calls, self.streams, self.grad_accs = module, [], [], []
+        for param in module.parameters():
+            node = param.expand_as(param).grad_fn.next_functions[0][0]
+            node.register_hook(self._make_backward_post_hook(param))
+            self.grad_accs.append(node)
+
+    def _make_backward_post_hook(self, param):
+        def hook(*unused):
+            self.calls.append(param)
+            if param.is_cuda:
+                self.streams.append(torch.cuda.current_stream(param.device).cuda_stream)
+        return hook
+
+
 def snapshot(dist_opt):
     """Bitwise copy of every tensor that defines training state."""
     out = {}

@@ -597,3 +597,45 @@ def test_phase_switch_round_trips_are_bit_exact_and_return_the_memory(delay_cycl
           f"{min(ratios):.3f}-{max(ratios):.3f} of it", flush=True)
     assert min(ratios) >= 0.5, ratios
     coord.close()
+
+
+def test_the_host_lead_bound_waits_for_the_point_depth_marks_back():
+    """streams.HostLeadBound on a real stream: with depth 1, the second mark blocks until the GPU
+    has run the work before the first, and no longer (the work after it is still running)."""
+    from megatron_offload.streams import HostLeadBound
+
+    stream = torch.cuda.current_stream()
+    bound = HostLeadBound(stream, 1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # (about 0.1 s of GPU time)
+    bound.mark()
+    assert bound.waits == 0  # one point outstanding: within the bound
+    torch.cuda._sleep(200_000_000)
+    bound.mark()
+    assert bound.waits == 1 and bound.wait_ms > 10
+    assert not bound._points[0].query()  # the second sleep is still running
+    torch.cuda.synchronize()
+
+
+def test_grad_accumulators_recreated_on_the_current_stream():
+    """upstream_fixes.grad_accumulators_on_current_stream: AccumulateGrad nodes made under a side
+    stream (as megatron-core's get_model makes DDP's) run their hooks on that stream; re-created,
+    on the current one. Each parameter's hook still runs once per backward."""
+    from fakes import HookedLikeMegatronDDP
+    from megatron_offload import upstream_fixes
+
+    side = torch.cuda.Stream()
+    layer = torch.nn.Linear(64, 64).cuda()
+    with torch.cuda.stream(side):
+        ddp = HookedLikeMegatronDDP(layer)
+
+    def backward():
+        ddp.calls.clear(), ddp.streams.clear()
+        layer(torch.ones(4, 64, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+        assert sorted(map(id, ddp.calls)) == sorted(map(id, layer.parameters()))
+        return set(ddp.streams)
+
+    assert backward() == {side.cuda_stream}
+    assert upstream_fixes.grad_accumulators_on_current_stream([ddp]) == 2
+    assert backward() == {torch.cuda.current_stream().cuda_stream}

@@ -608,28 +608,12 @@ def test_the_automatic_fraction_is_agreed_by_every_rank_of_the_job():
     assert megatron_wiring._smallest_in_job() is None  # (outside torch.distributed)
 
 
-class _HookedLikeMegatronDDP:
-    """megatron-core DDP's hook registration in miniature: an AccumulateGrad node per parameter,
-    kept in `grad_accs`, with a hook that counts its calls."""
-
-    def __init__(self, module):
-        self.module, self.calls, self.grad_accs = module, [], []
-        for param in module.parameters():
-            node = param.expand_as(param).grad_fn.next_functions[0][0]
-            node.register_hook(self._make_backward_post_hook(param))
-            self.grad_accs.append(node)
-
-    def _make_backward_post_hook(self, param):
-        def hook(*unused):
-            self.calls.append(param)
-        return hook
-
-
 def test_grad_accumulators_are_recreated_with_one_hook_each():
+    from fakes import HookedLikeMegatronDDP
     from megatron_offload import upstream_fixes
 
     torch.manual_seed(0)
-    ddp = _HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
+    ddp = HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
     for node in ddp.grad_accs:
         node.metadata["test_old"] = True
     del node
@@ -643,9 +627,10 @@ def test_grad_accumulators_are_recreated_with_one_hook_each():
 
 
 def test_a_grad_accumulator_held_elsewhere_is_refused():
+    from fakes import HookedLikeMegatronDDP
     from megatron_offload import upstream_fixes
 
-    ddp = _HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
+    ddp = HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
     held = ddp.grad_accs[0]  # a reference outside grad_accs keeps the node alive
     with pytest.raises(RuntimeError, match="1 AccumulateGrad node"):
         upstream_fixes.grad_accumulators_on_current_stream([ddp])
