@@ -101,10 +101,19 @@ def add_flags(parser):
         type=int,
         default=DEFAULT_HOST_LEAD_LAYERS,
         help="Keep the host at most this many layers (layer hooks, the output layer included) "
-        "ahead of the GPU during the forward and backward (0: no bound). Megatron frees weight "
-        "gradients through a stream of its own, so a host far ahead allocates before those frees "
-        "are usable, and reserved memory grows while the GPU waits for the plugin's copies. "
-        "(megatron-offload)",
+        "ahead of the GPU during the forward and backward (0: no bound). A host far ahead "
+        "allocates before memory freed through another stream is reusable (weight gradients "
+        "under --offload-keep-ddp-grad-stream), and reserved memory grows while the GPU waits "
+        "for the plugin's copies. (megatron-offload)",
+    )
+    group.add_argument(
+        "--offload-keep-ddp-grad-stream",
+        action="store_true",
+        help="Leave the gradient-accumulation (AccumulateGrad) nodes of megatron-core's DDP on the "
+        "side stream that get_model builds DDP under. By default the plugin re-creates them, with "
+        "DDP's hooks, on the compute stream, so that each weight gradient is freed at once instead "
+        "of at an event of that stream; deferred frees make reserved memory grow over the first "
+        "iterations while the GPU waits for the plugin's copies. (megatron-offload)",
     )
     group.add_argument(
         "--offload-no-timing",

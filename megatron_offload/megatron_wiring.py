@@ -189,11 +189,25 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
 
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)
-    _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers")
+    _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers"
+           f"{_grad_accumulators_to_compute_stream(model_chunks, args)}")
     if _allocator_note:
         _print(_allocator_note)
     coordinator = coord
     return coord
+
+
+def _grad_accumulators_to_compute_stream(model_chunks, args) -> str:
+    """Re-create DDP's AccumulateGrad nodes on the compute stream (upstream_fixes); the clause
+    the attach line ends with. CUDA graphs, the one reason upstream keeps a stream of its own
+    for DDP, are refused with the plugin (validation.py)."""
+    if getattr(args, "offload_keep_ddp_grad_stream", False):
+        return "; DDP's gradient accumulators left on their own stream"
+    try:
+        replaced = upstream_fixes.grad_accumulators_on_current_stream(model_chunks)
+    except RuntimeError as err:  # (every other node was replaced; the survivors keep their hooks)
+        return f"; {err}"
+    return f", {replaced} DDP gradient accumulators on the compute stream" if replaced else ""
 
 
 def _smallest_in_job():

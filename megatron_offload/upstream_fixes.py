@@ -119,8 +119,8 @@ def mend_help_strings(parser) -> int:
 def grad_accumulators_on_current_stream(ddp_modules) -> int:
     """Re-create, under the current stream, the AccumulateGrad node of every parameter whose
     gradient hook megatron-core's DDP registered on one (`grad_accs`), with the same hook.
-    Returns how many nodes were replaced. Not installed by `install()`: under evaluation (the
-    benchmark's `@accstream`).
+    Returns how many nodes were replaced. Not installed by `install()`: the Megatron wiring calls
+    it when it attaches (unless --offload-keep-ddp-grad-stream).
 
     Why: `get_model` builds DDP under a stream of its own, and an AccumulateGrad node keeps the
     stream it was created on; the autograd engine then marks every weight gradient as used on that

@@ -74,9 +74,6 @@ MODIFIERS = {
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
-    # megatron-core's DDP AccumulateGrad nodes re-created on the compute stream before training
-    # (upstream_fixes.grad_accumulators_on_current_stream): weight-gradient frees not deferred.
-    "accstream": {"MEGATRON_OFFLOAD_GRAD_ACC_STREAM": "1"},
     # No change: a second run of a variant in the same call (offload@again is compared with
     # baseline@again), to see the run-to-run spread next to the difference being measured.
     "again": {},
@@ -91,6 +88,9 @@ ARG_MODIFIERS = {
     # --manual-gc): tensors kept by reference cycles are freed at the same point of every
     # iteration instead of wherever a collection happens to run (diagnostic).
     "manualgc": ["--manual-gc", "--manual-gc-interval", "1"],
+    # DDP's AccumulateGrad nodes left on get_model's side stream (what the plugin did before it
+    # re-created them on the compute stream): weight-gradient frees deferred to that stream.
+    "ddpstream": ["--offload-keep-ddp-grad-stream"],
 }
 VARIANTS = {
     "baseline": [],

@@ -573,13 +573,6 @@ class Recorder:
 
         def recording_train(forward_step_func, model, optimizer, *a, **k):
             self.model, self.optimizer = model, optimizer
-            if os.environ.get("MEGATRON_OFFLOAD_GRAD_ACC_STREAM") == "1":
-                # Diagnostic (benchmark @accstream): DDP's AccumulateGrad nodes on the compute
-                # stream, so that no weight gradient's free waits for another stream's event.
-                from megatron_offload import upstream_fixes
-
-                replaced = upstream_fixes.grad_accumulators_on_current_stream(model)
-                print(f"[recorder] {replaced} AccumulateGrad nodes re-created on the current stream", flush=True)
             if os.environ.get("MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP"):
                 # Megatron's own alternative (benchmark variant `native-offload`): state to the
                 # CPU after every step, synchronously, and back before the next one.

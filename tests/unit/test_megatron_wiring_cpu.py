@@ -639,3 +639,33 @@ def test_a_grad_accumulator_held_elsewhere_is_refused():
     del held
     ddp.module(torch.ones(2, 4)).sum().backward()
     assert sorted(map(id, ddp.calls)) == sorted(map(id, ddp.module.parameters()))
+
+
+def test_attach_moves_ddp_grad_accumulators_unless_kept():
+    from fakes import HookedLikeMegatronDDP
+
+    ddp = HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
+    for node in ddp.grad_accs:
+        node.metadata["test_old"] = True
+    del node
+    clause = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
+    assert clause == ", 2 DDP gradient accumulators on the compute stream"
+    assert not any("test_old" in n.metadata for n in ddp.grad_accs)
+
+    kept = list(ddp.grad_accs)
+    clause = megatron_wiring._grad_accumulators_to_compute_stream(
+        [ddp], argparse.Namespace(offload_keep_ddp_grad_stream=True))
+    assert "left on their own stream" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
+
+    # A node referenced elsewhere: the run goes on and the attach line says so.
+    clause = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
+    assert "2 AccumulateGrad node(s)" in clause and "referenced outside" in clause
+    del kept
+    ddp.module(torch.ones(2, 4)).sum().backward()
+    assert len(ddp.calls) == 2  # one hook each, wherever the nodes are
+
+
+def test_keep_ddp_grad_stream_flag_parses():
+    on = ["--offload-optimizer-states", "--use-distributed-optimizer"]
+    assert parse(on).offload_keep_ddp_grad_stream is False
+    assert parse(on + ["--offload-keep-ddp-grad-stream"]).offload_keep_ddp_grad_stream is True
