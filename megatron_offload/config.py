@@ -53,6 +53,9 @@ class OffloadConfig:
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
     backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)
     host_waits_at_free: bool = False  # the forward's frees also block the host
+    # The fallback reload first hands mapped free memory back when the chunks fit no free block
+    # (MemoryPolicy._room_for_fallback).
+    release_before_unfitted_reload: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "release_at", frozenset(self.release_at))

@@ -288,6 +288,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             self.it.step_budget = self._step_budget()
             self._admit(self._chunks(ChunkState.OFFLOADED), self.it.step_budget)
         else:
+            self._room_for_fallback()
             self._reload_up_to(None)
         self._update_peak_growth()
 

@@ -204,6 +204,44 @@ class MemoryPolicy:
         self.reloads_deferred_for_fit += len(chosen) - len(fitted)
         return fitted
 
+    def _room_for_fallback(self) -> None:
+        """Before the fallback reload (`grads_finalizing`): if the chunks still off fit no set of
+        the allocator's free blocks (best-fit, largest first), hand the mapped free memory back
+        to the device first.
+
+        Why: the reload would map new memory above blocks that are free but too small, and that
+        memory stays mapped: reserved grows for good by the chunks that did not fit. This happens
+        where the free blocks were cut by activations that never shared memory with chunks, i.e.
+        in the first iteration after a start-up offload, whose peak then stays the peak of every
+        later iteration. Once the backward has released its
+        activations, what is free is cache; the next forward maps again only what it uses. See
+        [Note: fallback release] in docs/design.md."""
+        if (not self.config.release_before_unfitted_reload or not self.config.backward_reloads
+                or self._free_block_sizes is None):
+            return
+        todo = sorted((_request_bytes(c) for _, c in self._chunks(ChunkState.OFFLOADED)), reverse=True)
+        if not todo:
+            return
+        free = self._free_mapped() if self._free_mapped is not None else None
+        if free is not None and free < todo[-1]:
+            return  # (less cached than one chunk: nothing worth a wait for the compute stream)
+        if free is not None and free < sum(todo):
+            blocks = []  # (the counters say no set of free blocks holds them all: no snapshot)
+        else:
+            start = time.perf_counter()
+            blocks = sorted(self._free_block_sizes())
+            self.fit_checks += 1
+            self.fit_check_ms += (time.perf_counter() - start) * 1e3
+        for need in todo:
+            i = bisect.bisect_left(blocks, need)
+            if i == len(blocks):
+                self._trace("release:fallback")
+                self._release_cache()
+                return
+            rest = blocks.pop(i) - need
+            if rest > 0:
+                bisect.insort(blocks, rest)
+
     def _sample_workspace(self) -> None:
         """At a backward hook of the iteration's first backward: what the layer just finished
         allocated (the allocator's cumulative counter, less the reloads' own chunks)."""

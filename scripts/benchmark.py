@@ -68,6 +68,9 @@ MODIFIERS = {
     # The forward's frees make the host wait for their copy-out too (coordinator._free_until).
     "hostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "1"},
     "nohostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "0"},
+    # The fallback reload maps new memory instead of first handing back free blocks too small
+    # for the chunks (MemoryPolicy._room_for_fallback off).
+    "nofbrel": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE": "0"},
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},

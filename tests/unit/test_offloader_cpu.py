@@ -913,6 +913,48 @@ def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
         assert coord.reloads_deferred_for_fit > 0
 
 
+@pytest.mark.parametrize("switch", [True, False], ids=["release", "no-release"])
+@pytest.mark.parametrize("fits", ["all", "all-but-one", "none"])
+def test_fallback_reload_hands_back_free_blocks_too_small_for_it(fits, switch):
+    """grads_finalizing's reload of the chunks still off: when they fit no set of free blocks
+    (best-fit, largest first), the cached memory goes back to the device first, so that the
+    chunks are not mapped above blocks that are free but too small (the first iteration's
+    layout after a start-up offload); when they all fit, nothing is released."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    blocks, released = [], []
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       # (no room inside the backward: every chunk is left to the fallback)
+                       free_block_sizes=lambda: list(blocks) if "grads_finalizing" in coord.events else [],
+                       release_before_unfitted_reload=switch,
+                       empty_cache=lambda: released.append(coord.bytes_in(ChunkState.OFFLOADED)))
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    coord.release_startup_state()
+    released.clear()
+    for step in range(3):
+        sizes = [c.gpu_nbytes for c in coord.offloaders[0].chunks]
+        # One free block per chunk, exactly its size (512-byte rounding included), less the largest's
+        # when one must not fit; never room for two in one block.
+        blocks[:] = {"all": [(n + 511) // 512 * 512 for n in sizes],
+                     "all-but-one": sorted((n + 511) // 512 * 512 for n in sizes)[:-1],
+                     "none": []}[fits]
+        coord.events.clear()
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        ev = coord.events
+        if fits == "all" or not switch:
+            assert "release:fallback" not in ev, ev
+        else:
+            # Before the fallback's reload, after the backward (and every chunk still off then).
+            assert ev.index("grads_finalizing") < ev.index("release:fallback") < ev.index("reload_start"), ev
+    assert len(released) == (0 if fits == "all" or not switch else 3), released
+    assert all(n > 0 for n in released)
+    coord.close()
+
+
 @pytest.mark.parametrize("keep", [True, False], ids=["workspace", "no-workspace-rule"])
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("room", [True, False])
