@@ -72,6 +72,9 @@ class IterationRecord:
     step_order: Dict[int, list] = dataclasses.field(default_factory=dict)
     stepped_out: List[Tuple] = dataclasses.field(default_factory=list)
     step_budget: int = 0
+    # The first training forward found every chunk off the GPU (start-up, after an evaluation or
+    # offload_all): its activations were laid out with no chunk among them (_room_for_fallback).
+    began_offloaded: bool = False
 
     def move_to(self, new: IterationState) -> None:
         if new not in TRANSITIONS[self.state]:

@@ -199,10 +199,14 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
 
 def _grad_accumulators_to_compute_stream(model_chunks, args) -> str:
     """Re-create DDP's AccumulateGrad nodes on the compute stream (upstream_fixes); the clause
-    the attach line ends with. CUDA graphs, the one reason upstream keeps a stream of its own
-    for DDP, are refused with the plugin (validation.py)."""
+    the attach line ends with. Upstream keeps DDP's own stream for CUDA graph capture, which is
+    refused with the plugin (validation.py), and for Transformer Engine's FP8 gradient setup
+    (Megatron-LM PR #6021): under FP8 the nodes stay where they are (the host-lead bound
+    covers their deferred frees)."""
     if getattr(args, "offload_keep_ddp_grad_stream", False):
         return "; DDP's gradient accumulators left on their own stream"
+    if getattr(args, "fp8", None):
+        return "; DDP's gradient accumulators left on their own stream under FP8"
     try:
         replaced = upstream_fixes.grad_accumulators_on_current_stream(model_chunks)
     except RuntimeError as err:  # (every other node was replaced; the survivors keep their hooks)

@@ -205,25 +205,31 @@ class MemoryPolicy:
         return fitted
 
     def _room_for_fallback(self) -> None:
-        """Before the fallback reload (`grads_finalizing`): if the chunks still off fit no set of
-        the allocator's free blocks (best-fit, largest first), hand the mapped free memory back
-        to the device first.
+        """Before the fallback reload (`grads_finalizing`) of an iteration whose first forward
+        found every chunk off the GPU: if the chunks still off fit no set of the allocator's free
+        blocks (best-fit, in the order they are reloaded), hand the mapped free memory back to the
+        device first.
 
         Why: the reload would map new memory above blocks that are free but too small, and that
-        memory stays mapped: reserved grows for good by the chunks that did not fit. This happens
-        where the free blocks were cut by activations that never shared memory with chunks, i.e.
-        in the first iteration after a start-up offload, whose peak then stays the peak of every
-        later iteration. Once the backward has released its
-        activations, what is free is cache; the next forward maps again only what it uses. See
-        [Note: fallback release] in docs/design.md."""
+        memory stays mapped: reserved grows for good by the chunks that did not fit. The free
+        blocks are too small where they were cut by activations laid out with no chunk among
+        them, i.e. in the first iteration after a start-up offload, an evaluation or
+        `offload_all`, and that iteration's mapping then stays the peak of every later one. In
+        the other iterations the activations sat in the memory the forward freed chunks from,
+        and what the fallback maps is reused from the iteration before: no release there (it
+        would cost a host wait and new mappings every iteration). Once the backward has released
+        its activations, what is free is cache; the next forward maps again only what it uses.
+        Not with `backward_reloads=False` (a diagnostic whose fit reader answers "nothing fits")
+        nor with the chunked step (the step brings its chunks back within a budget). See [Note:
+        fallback release] in docs/design.md."""
         if (not self.config.release_before_unfitted_reload or not self.config.backward_reloads
-                or self._free_block_sizes is None):
+                or self._free_block_sizes is None or not self.it.began_offloaded):
             return
-        todo = sorted((_request_bytes(c) for _, c in self._chunks(ChunkState.OFFLOADED)), reverse=True)
+        todo = [_request_bytes(c) for _, c in self._chunks(ChunkState.OFFLOADED)]
         if not todo:
             return
         free = self._free_mapped() if self._free_mapped is not None else None
-        if free is not None and free < todo[-1]:
+        if free is not None and free < min(todo):
             return  # (less cached than one chunk: nothing worth a wait for the compute stream)
         if free is not None and free < sum(todo):
             blocks = []  # (the counters say no set of free blocks holds them all: no snapshot)

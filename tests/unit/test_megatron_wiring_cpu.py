@@ -657,6 +657,9 @@ def test_attach_moves_ddp_grad_accumulators_unless_kept():
         [ddp], argparse.Namespace(offload_keep_ddp_grad_stream=True))
     assert "left on their own stream" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
 
+    clause = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace(fp8="hybrid"))
+    assert "under FP8" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
+
     # A node referenced elsewhere: the run goes on and the attach line says so.
     clause = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
     assert "2 AccumulateGrad node(s)" in clause and "referenced outside" in clause

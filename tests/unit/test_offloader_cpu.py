@@ -916,10 +916,11 @@ def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
 @pytest.mark.parametrize("switch", [True, False], ids=["release", "no-release"])
 @pytest.mark.parametrize("fits", ["all", "all-but-one", "none"])
 def test_fallback_reload_hands_back_free_blocks_too_small_for_it(fits, switch):
-    """grads_finalizing's reload of the chunks still off: when they fit no set of free blocks
-    (best-fit, largest first), the cached memory goes back to the device first, so that the
-    chunks are not mapped above blocks that are free but too small (the first iteration's
-    layout after a start-up offload); when they all fit, nothing is released."""
+    """grads_finalizing's reload of the chunks still off, in an iteration whose first forward found
+    every chunk off (after the start-up offload; after an evaluation): when they fit no set of free
+    blocks (best-fit, in reload order), the cached memory goes back to the device first, so that
+    they are not mapped above blocks that are free but too small. When they all fit, and in
+    iterations that began with the chunks on the GPU, nothing is released."""
     layer_bytes, logits_bytes = 40_000, 30_000
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
@@ -928,30 +929,65 @@ def test_fallback_reload_hands_back_free_blocks_too_small_for_it(fits, switch):
                        # (no room inside the backward: every chunk is left to the fallback)
                        free_block_sizes=lambda: list(blocks) if "grads_finalizing" in coord.events else [],
                        release_before_unfitted_reload=switch,
-                       empty_cache=lambda: released.append(coord.bytes_in(ChunkState.OFFLOADED)))
+                       empty_cache=lambda: released.append(coord.it.forwards))
     coord.add_optimizer(opt)
     coord.offload_existing_state()
     coord.release_startup_state()
     released.clear()
-    for step in range(3):
+    releasing = fits != "all" and switch
+    for step in range(4):
         sizes = [c.gpu_nbytes for c in coord.offloaders[0].chunks]
         # One free block per chunk, exactly its size (512-byte rounding included), less the largest's
         # when one must not fit; never room for two in one block.
         blocks[:] = {"all": [(n + 511) // 512 * 512 for n in sizes],
                      "all-but-one": sorted((n + 511) // 512 * 512 for n in sizes)[:-1],
                      "none": []}[fits]
+        if step == 2:  # an evaluation in between frees every chunk again
+            coord.forward_begin(False)
+            coord.forward_end()
         coord.events.clear()
         simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
         ev = coord.events
-        if fits == "all" or not switch:
-            assert "release:fallback" not in ev, ev
-        else:
-            # Before the fallback's reload, after the backward (and every chunk still off then).
+        if releasing and step in (0, 2):
+            # Before the fallback's reload, after the backward.
             assert ev.index("grads_finalizing") < ev.index("release:fallback") < ev.index("reload_start"), ev
-    assert len(released) == (0 if fits == "all" or not switch else 3), released
-    assert all(n > 0 for n in released)
+        else:
+            assert "release:fallback" not in ev, ev
+    assert len(released) == (2 if releasing else 0), released
+    coord.close()
+
+
+@pytest.mark.parametrize("cached", ["none", "one-chunk", "plenty"])
+def test_fallback_release_reads_the_counters_before_the_snapshot(cached):
+    """The allocator's counters (reserved minus allocated) decide first: less cached than one chunk,
+    nothing to hand back (no snapshot, no release); less than all chunks, release without a
+    snapshot; otherwise the snapshot's blocks decide (here: none fits)."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    opt = FakeDistOpt()
+    mem = SimulatedMemory(opt)
+    snapshots, released, mapped = [0], [], [0]
+
+    def blocks():
+        if "grads_finalizing" not in coord.events:
+            return []
+        snapshots[0] += 1
+        return []
+
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       free_block_sizes=blocks, free_mapped=lambda: mapped[0],
+                       empty_cache=lambda: released.append(1))
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    coord.release_startup_state()
+    released.clear()
+    sizes = [(c.gpu_nbytes + 511) // 512 * 512 for c in coord.offloaders[0].chunks]
+    mapped[0] = {"none": min(sizes) - 1, "one-chunk": sum(sizes) - 1, "plenty": 10 * sum(sizes)}[cached]
+    coord.events.clear()
+    simulated_iteration(opt, coord, mem, 0, layer_bytes, logits_bytes)
+    assert released == ([] if cached == "none" else [1])
+    assert snapshots[0] == (1 if cached == "plenty" else 0)
     coord.close()
 
 
