@@ -112,9 +112,9 @@ def add_flags(parser):
         help="Leave the gradient-accumulation (AccumulateGrad) nodes of megatron-core's DDP on the "
         "side stream that get_model builds DDP under. By default (not under FP8) the plugin "
         "re-creates them, with DDP's hooks, on the compute stream, so that each weight gradient is "
-        "freed at once instead "
-        "of at an event of that stream; deferred frees make reserved memory grow over the first "
-        "iterations while the GPU waits for the plugin's copies. (megatron-offload)",
+        "freed at once instead of at an event of that stream; deferred frees make reserved memory "
+        "grow over the first iterations while the GPU waits for the plugin's copies. "
+        "(megatron-offload)",
     )
     group.add_argument(
         "--offload-no-timing",

@@ -189,14 +189,9 @@ class MemoryPolicy:
         self.fit_check_ms += (time.perf_counter() - start) * 1e3
         fitted = []
         for off, chunk in chosen:
-            need = _request_bytes(chunk)
-            i = bisect.bisect_left(blocks, need)
-            if i == len(blocks):
-                break
             after = list(blocks)
-            rest = after.pop(i) - need
-            if rest > 0:
-                bisect.insort(after, rest)
+            if not _take_best_fit(after, _request_bytes(chunk)):
+                break
             if sum(b for b in after if b >= smallest_useful) < self.backward_workspace:
                 break
             blocks = after
@@ -231,22 +226,16 @@ class MemoryPolicy:
         free = self._free_mapped() if self._free_mapped is not None else None
         if free is not None and free < min(todo):
             return  # (less cached than one chunk: nothing worth a wait for the compute stream)
-        if free is not None and free < sum(todo):
-            blocks = []  # (the counters say no set of free blocks holds them all: no snapshot)
-        else:
+        # (The counters saying that not even all free bytes together hold them: no snapshot.)
+        if free is None or free >= sum(todo):
             start = time.perf_counter()
             blocks = sorted(self._free_block_sizes())
             self.fit_checks += 1
             self.fit_check_ms += (time.perf_counter() - start) * 1e3
-        for need in todo:
-            i = bisect.bisect_left(blocks, need)
-            if i == len(blocks):
-                self._trace("release:fallback")
-                self._release_cache()
+            if all(_take_best_fit(blocks, need) for need in todo):
                 return
-            rest = blocks.pop(i) - need
-            if rest > 0:
-                bisect.insort(blocks, rest)
+        self._trace("release:fallback")
+        self._release_cache()
 
     def _sample_workspace(self) -> None:
         """At a backward hook of the iteration's first backward: what the layer just finished
@@ -290,6 +279,18 @@ class MemoryPolicy:
         if not self.config.chunked_step:
             return self.it.forward_end_max
         return max(self.it.forward_end_max, self._last_step_level)
+
+
+def _take_best_fit(blocks: List[int], need: int) -> bool:
+    """Place a request of `need` bytes in the smallest of the sorted free `blocks` that holds it,
+    as the caching allocator would (the block's rest stays free); False where none does."""
+    i = bisect.bisect_left(blocks, need)
+    if i == len(blocks):
+        return False
+    rest = blocks.pop(i) - need
+    if rest > 0:
+        bisect.insort(blocks, rest)
+    return True
 
 
 def _request_bytes(chunk) -> int:
