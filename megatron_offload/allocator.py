@@ -159,9 +159,9 @@ def allocator_choice(alloc_conf: Optional[str]):
     if "expandable_segments:true" in conf:
         return False, None
     return False, (f"PYTORCH_CUDA_ALLOC_CONF={alloc_conf!r} does not set {EXPANDABLE_SEGMENTS}: with "
-                   "PyTorch's default caching allocator the offloaded memory may not come off reserved "
-                   "memory at all (activations split the freed chunks' segments), so the GPU can peak as "
-                   f"high as without offloading. Add {EXPANDABLE_SEGMENTS} to get it back.")
+                   "PyTorch's default caching allocator less of the offloaded memory comes off reserved "
+                   "memory (activations split the freed chunks' segments), and the GPU can peak higher "
+                   f"than the offloaded bytes suggest. Add {EXPANDABLE_SEGMENTS} to get all of it.")
 
 
 def _alloc_conf_from_env() -> Optional[str]:
