@@ -28,7 +28,7 @@ import inspect
 import logging
 import os
 import sys
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -189,29 +189,31 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
 
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)
-    _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers"
-           f"{_grad_accumulators_to_compute_stream(model_chunks, args)}")
+    clause, every_rank = _grad_accumulators_to_compute_stream(model_chunks, args)
+    _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers{clause}",
+           all_ranks=every_rank)
     if _allocator_note:
         _print(_allocator_note)
     coordinator = coord
     return coord
 
 
-def _grad_accumulators_to_compute_stream(model_chunks, args) -> str:
+def _grad_accumulators_to_compute_stream(model_chunks, args) -> Tuple[str, bool]:
     """Re-create DDP's AccumulateGrad nodes on the compute stream (upstream_fixes); the clause
-    the attach line ends with. Upstream keeps DDP's own stream for CUDA graph capture, which is
+    the attach line ends with, and whether every rank prints it (nodes this rank could not
+    replace). Upstream keeps DDP's own stream for CUDA graph capture, which is
     refused with the plugin (validation.py), and for Transformer Engine's FP8 gradient setup
     (Megatron-LM PR #6021): under FP8 the nodes stay where they are (the host-lead bound
     covers their deferred frees)."""
     if getattr(args, "offload_keep_ddp_grad_stream", False):
-        return "; DDP's gradient accumulators left on their own stream"
+        return "; DDP's gradient accumulators left on their own stream", False
     if getattr(args, "fp8", None):
-        return "; DDP's gradient accumulators left on their own stream under FP8"
+        return "; DDP's gradient accumulators left on their own stream under FP8", False
     try:
         replaced = upstream_fixes.grad_accumulators_on_current_stream(model_chunks)
     except RuntimeError as err:  # (every other node was replaced; the survivors keep their hooks)
-        return f"; {err}"
-    return f", {replaced} DDP gradient accumulators on the compute stream" if replaced else ""
+        return f"; {err}", True
+    return (f", {replaced} DDP gradient accumulators on the compute stream" if replaced else ""), False
 
 
 def _smallest_in_job():

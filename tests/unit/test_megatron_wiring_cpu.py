@@ -648,21 +648,21 @@ def test_attach_moves_ddp_grad_accumulators_unless_kept():
     for node in ddp.grad_accs:
         node.metadata["test_old"] = True
     del node
-    clause = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
-    assert clause == ", 2 DDP gradient accumulators on the compute stream"
+    clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
+    assert clause == ", 2 DDP gradient accumulators on the compute stream" and not every_rank
     assert not any("test_old" in n.metadata for n in ddp.grad_accs)
 
     kept = list(ddp.grad_accs)
-    clause = megatron_wiring._grad_accumulators_to_compute_stream(
+    clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(
         [ddp], argparse.Namespace(offload_keep_ddp_grad_stream=True))
     assert "left on their own stream" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
 
-    clause = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace(fp8="hybrid"))
+    clause, _ = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace(fp8="hybrid"))
     assert "under FP8" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
 
     # A node referenced elsewhere: the run goes on and the attach line says so.
-    clause = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
-    assert "2 AccumulateGrad node(s)" in clause and "referenced outside" in clause
+    clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
+    assert "2 AccumulateGrad node(s)" in clause and "referenced outside" in clause and every_rank
     del kept
     ddp.module(torch.ones(2, 4)).sum().backward()
     assert len(ddp.calls) == 2  # one hook each, wherever the nodes are
