@@ -156,8 +156,11 @@ class HostLeadBound:
     layers' activations while the last backward's weight gradients are freed on the host but not
     reusable yet: the requests map new memory, and *reserved* memory depends on how far ahead the
     host happened to be. The plugin's copy waits stall the GPU while the host runs on, which
-    makes that lead large. With the bound, a deferred free becomes
-    reusable at most `depth` layers after its request. See [Note: host lead] in docs/design.md.
+    makes that lead large. With the bound, a deferred free becomes reusable at most `depth`
+    layers after its request. The Megatron wiring re-creates those nodes on the compute stream
+    (upstream_fixes.grad_accumulators_on_current_stream); the bound still covers where it does
+    not (FP8, `--offload-keep-ddp-grad-stream`) and frees deferred through other streams. See
+    [Note: host lead] in docs/design.md.
     Invariant: after `mark()`, at most `depth` recorded points are not known to be complete.
     The points are the coordinator's layer hooks: every pacing module's forward, and the backward
     hooks it registers (while state is packed). Waiting on a point already enqueued adds no
