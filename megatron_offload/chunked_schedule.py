@@ -93,14 +93,21 @@ class ChunkedStepSchedule:
                 nbytes -= off.free([chunk])
 
     def _begin_chunked_step(self, off: OptimizerStateOffloader):
-        """The pieces of `off`'s step: chunks already back (or coming) first, then the rest."""
+        """The pieces of `off`'s step: chunks already back first, then those coming back in the
+        order they arrive, then the rest.
+
+        Why arrival order: the backward reloads the latest-freed chunks first (the reverse of
+        their index order); stepping in index order made the first piece wait for the last
+        chunk to arrive, so the step, and the copy-out behind each piece, began only once the
+        whole reload was done. See [Note: step order] in docs/design.md."""
         self._stepping(off)
         if not self.it.step_budget:
             self.it.step_budget = self._step_budget()
         self.step_budgets = (self.step_budgets + [self.it.step_budget])[-64:]
         rank = {ChunkState.RESIDENT: 0, ChunkState.COPYING_OUT: 0, ChunkState.COPYING_IN: 1,
                 ChunkState.OFFLOADED: 2}
-        order = sorted(off.chunks, key=lambda c: rank[c.state])
+        order = sorted(off.chunks, key=lambda c: (rank[c.state],
+                                                  c.copy_in_seq if c.state is ChunkState.COPYING_IN else 0))
         self.it.step_order[id(off)] = order
         # One piece per chunk (a parameter's state is never split across chunks), then one for
         # the parameters with no chunk: state kept by the fraction, or not created yet.

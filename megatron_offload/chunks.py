@@ -129,6 +129,9 @@ class Chunk:
         # The copy that must finish before the GPU storage may be freed (COPYING_OUT) or read
         # (COPYING_IN). None when no copy is in flight.
         self.ready: Optional[torch.cuda.Event] = None
+        # Position of this chunk's latest H2D among all H2D copies enqueued (one H2D stream for
+        # every offloader: chunks arrive in this order). Set by `start_copy_in`.
+        self.copy_in_seq = 0
         # OFFLOADED and its state tensors point at `host` (CPU views) for a reader
         # (`expose_host_copies`) instead of at the freed GPU buffer, until the next forward or
         # reload (`hide_host_copies`, `start_copy_in`).

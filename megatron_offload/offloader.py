@@ -30,6 +30,7 @@ works on CPU "devices" too (copies are then synchronous), which is how the CPU t
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import List, Optional
 
@@ -45,7 +46,8 @@ from .save_snapshot import SaveSnapshots
 from .streams import CopyStreams
 
 logger = logging.getLogger(__name__)
-
+# Numbers every H2D enqueued by any offloader (`Chunk.copy_in_seq`): the order chunks arrive in.
+_COPY_IN_SEQ = itertools.count(1)
 
 
 class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
@@ -254,6 +256,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
             for chunk in chunks:
                 self._copy_pieces(chunk.packed, chunk.host)
                 chunk.ready = s.record(stream)
+                chunk.copy_in_seq = next(_COPY_IN_SEQ)
                 chunk.move_to(ChunkState.COPYING_IN)
             s.stats.end_copy(timer, stream, sum(c.nbytes for c in chunks))
         return sum(c.gpu_nbytes for c in chunks)

@@ -415,6 +415,66 @@ def test_chunked_step_reloads_in_the_backward_up_to_the_level_the_step_reached()
     coord.close()
 
 
+def test_chunked_step_takes_the_chunks_coming_back_in_the_order_they_arrive():
+    """The backward reloads the latest-freed chunks first (about the reverse of their index order).
+    The step takes resident chunks first, then those coming back in the order their H2D was
+    enqueued (the order they land), then the rest: a step in index order would begin by waiting
+    for the chunk that arrives last. Bit-identical either way."""
+    from test_offloader_cpu import make_coord
+
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    act = [0]
+    base = 10**6
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, free_block_sizes=lambda: [2**40], margin_bytes=0,
+                       memory_allocated=lambda: base + coord.resident_bytes + act[0],
+                       max_memory_allocated=lambda: base + coord.resident_bytes + act[0])
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    slot = off.chunks[0].gpu_nbytes
+    seen = []  # per step: [(chunk index, state, copy_in_seq)] at the step's start, and the order taken
+    begin = coord._begin_chunked_step
+
+    def recording_begin(o):
+        before = [(c.index, c.state, c.copy_in_seq) for c in o.chunks]
+        pieces = begin(o)
+        seen.append((before, [c.index for c in coord.it.step_order[id(o)]]))
+        return pieces
+
+    coord._begin_chunked_step = recording_begin
+    layers = 6
+    for step in range(4):
+        for mb in range(2):
+            coord.forward_begin(True)
+            for h in range(layers):
+                coord.layer_forward_begin()  # frees chunks in index order as the layers need room
+                act[0] += slot
+            coord.forward_end()
+            coord.backward_begin()
+            for h in reversed(range(layers)):
+                coord.layer_backward_begin(h)  # reloads the latest freed first
+                act[0] -= slot
+        act[0] = 0
+        coord.grads_finalizing()
+        make_grads(ref.all_params(), step)
+        ref.step()
+        make_grads(opt.all_params(), step)
+        opt.step()
+        coord.optimizer_step_done()
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    reversed_arrivals = 0
+    for before, order in seen:
+        state = {i: st for i, st, _ in before}
+        seq = {i: q for i, _, q in before}
+        rank = {ChunkState.RESIDENT: 0, ChunkState.COPYING_OUT: 0, ChunkState.COPYING_IN: 1, ChunkState.OFFLOADED: 2}
+        assert [rank[state[i]] for i in order] == sorted(rank[state[i]] for i in order), (order, state)
+        coming = [i for i in order if state[i] is ChunkState.COPYING_IN]
+        assert [seq[i] for i in coming] == sorted(seq[i] for i in coming), (coming, seq)
+        reversed_arrivals += coming != sorted(coming)
+    # The case the rule is for occurred: chunks landing in another order than their indices.
+    assert reversed_arrivals >= 1, seen
+    coord.close()
+
+
 def test_a_save_after_a_chunked_step_reads_the_host_copies_and_training_stays_bit_exact():
     """Issue 4: a checkpoint save must not bring the whole state back. After a chunked step most
     chunks are off the GPU; the save reads them from the host and reloads none."""
