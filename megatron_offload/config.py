@@ -22,7 +22,10 @@ class OffloadConfig:
     """The offloading choices of one process; fixed for the run.
 
     Values the run itself changes later (the automatic fraction's choice, its iteration) start
-    from here and live on the coordinator."""
+    from here and live on the coordinator. The field defaults are the whole step (the state back
+    for one `step()`); Megatron's flags default to the streamed step (`chunked_step=True` with
+    the copy-out fed, `megatron_args.step_engine`), which needs megatron-core's
+    DistributedOptimizer methods (chunked_step.py)."""
 
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # size of the chunks the state is packed into
     margin_bytes: int = DEFAULT_MARGIN_BYTES  # kept free below the forward's peak when freeing late
@@ -30,12 +33,12 @@ class OffloadConfig:
     # The host runs at most this many layer hooks ahead of the compute stream (0: no bound;
     # streams.HostLeadBound says why a large lead grows reserved memory).
     host_lead_layers: int = DEFAULT_HOST_LEAD_LAYERS
-    # Experimental (copy_feeder.py): >0 starts the copy-out at the step (each piece, with the chunked
-    # step) and lets a host thread keep about this many bytes of it queued on the GPU.
+    # >0 (copy_feeder.py): start the copy-out at the step (each piece, with the chunked step) and let
+    # a host thread keep about this many bytes of it queued on the GPU; 0: at the next forward.
     copy_out_in_flight_bytes: int = 0
     state_fraction: float = 1.0  # share of the state that leaves the GPU
     auto_fraction_at: Optional[int] = None  # `auto`: the iteration measured to choose the fraction
-    chunked_step: bool = False  # step piece by piece, its resident state bounded
+    chunked_step: bool = False  # step piece by piece, its resident state bounded (the streamed step)
     step_budget_bytes: int = 0  # the chunked step's bound (0: chosen at each step)
     release_cache: bool = False  # hand cached free memory back to the driver once per iteration
     release_at: FrozenSet[str] = frozenset({"offloaded"})  # where (allocator.RELEASE_POINTS)

@@ -123,7 +123,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self.events: List[str] = []  # lifecycle trace, bounded; tests assert the order
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
-        # Experimental: the copy-out starts at the step, fed by a host thread (copy_feeder.py).
+        # The copy-out starts at the step, fed by a host thread (copy_feeder.py; the streamed step's default).
         self.feeder = (CopyOutFeeder(self.streams, config.copy_out_in_flight_bytes)
                        if config.copy_out_in_flight_bytes else None)
         self._stepped_since_forward = False  # (with the feeder: the silent no-op check below)
@@ -337,7 +337,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         (see [Note: copy-out at the next forward] in docs/design.md). By the
         first forward those reads are done, and nothing is lost: the copy-out only has to
         finish before the forward's first free. (Also after the parameter all-gather: on PCIe
-        hosts the D2H and NCCL share the GPU's link.) With the experimental feeder
+        hosts the D2H and NCCL share the GPU's link.) With the feeder
         (`--offload-copy-out-in-flight-mb`, copy_feeder.py) it starts here, a bounded amount queued.
         """
         if self._copy_out_due or self._stepped_since_forward:

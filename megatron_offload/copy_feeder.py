@@ -1,5 +1,5 @@
-"""Copy-outs fed to the GPU a few pieces at a time by a host thread (experimental, opt-in:
-`--offload-copy-out-in-flight-mb`, `OffloadConfig.copy_out_in_flight_bytes`).
+"""Copy-outs fed to the GPU a few pieces at a time by a host thread (`--offload-copy-out-in-flight-mb`,
+`OffloadConfig.copy_out_in_flight_bytes`; on by default with the streamed step).
 
 Why: a GPU's copy engine runs the D2H copies given to it in order. The training loop reads small
 results to the host right after the optimizer step (Megatron's update flag and loss), and each such

@@ -15,6 +15,15 @@ from .config import DEFAULT_HOST_LEAD_LAYERS, DEFAULT_MARGIN_BYTES, OffloadConfi
 # second is the first with the coordinator's memory profile.
 AUTO = "auto"
 AUTO_FRACTION_ITERATION = 3
+# --offload-step: the streamed step (chunked_step.py, chunked_schedule.py) or the whole state back
+# for one step.
+STREAMED, WHOLE = "streamed", "whole"
+STEP_ENGINES = (STREAMED, WHOLE)
+# The streamed step's copy-out in flight by default (MiB). Why this much: the feeder thread tops
+# the queue up only when it holds the GIL, which the training loop's host thread hands over about
+# every 5 ms (sys.getswitchinterval); a queue shorter than that at ~55 GB/s runs dry in between.
+# A read right after the step then waits behind at most ~20 ms of copy.
+DEFAULT_IN_FLIGHT_MB = 1024
 
 # Overrides of OffloadConfig's diagnostic fields (keep_backward_workspace, backward_reloads,
 # host_waits_at_free, release_at), set before training by a benchmark's launcher to measure
@@ -57,18 +66,28 @@ def add_flags(parser):
         "megatron_offload.planner` computes the same from a profile. (megatron-offload)",
     )
     group.add_argument(
+        "--offload-step",
+        choices=STEP_ENGINES,
+        default=None,
+        help="How the optimizer step meets the offloaded state. 'streamed' (the default): the step "
+        "runs chunk by chunk, each chunk stepped as it comes back and copied out right after, both "
+        "copy directions overlapped, the state on the GPU bounded by --offload-step-budget-mb. "
+        "'whole': the whole state comes back for one step and leaves with the next forward (the "
+        "default under --fp8-param-gather / --fp4-param-gather, which quantize all parameters in "
+        "one operation). (megatron-offload)",
+    )
+    group.add_argument(
         "--offload-chunked-step",
-        action="store_true",
-        help="Run the optimizer step piece by piece (one chunk of state at a time: reload, "
-        "Adam, copy out, overlapped), so that the step never needs the whole state on the GPU. "
-        "For runs whose memory peak is the optimizer step (full recompute, late pipeline "
-        "stages, small activations). (megatron-offload)",
+        dest="offload_step",
+        action="store_const",
+        const=STREAMED,
+        help="Same as --offload-step streamed (kept for older command lines). (megatron-offload)",
     )
     group.add_argument(
         "--offload-step-budget-mb",
         type=int,
         default=0,
-        help="With --offload-chunked-step: at most this many MiB of optimizer state on the GPU "
+        help="With the streamed step: at most this many MiB of optimizer state on the GPU "
         "during the step (at least one chunk). 0: what the activations of the forward left "
         "room for, at least three chunks. (megatron-offload)",
     )
@@ -90,11 +109,12 @@ def add_flags(parser):
     group.add_argument(
         "--offload-copy-out-in-flight-mb",
         type=int,
-        default=0,
-        help="Experimental: start the copy-out when the optimizer step is done (with "
-        "--offload-chunked-step: as each chunk is stepped) instead of at the next forward, and let a "
-        "host thread keep about this many MiB of it queued on the GPU, so that the host's reads "
-        "right after the step do not wait behind it (0: off). (megatron-offload)",
+        default=None,
+        help="Start the copy-out as the step goes (each chunk once stepped; with --offload-step "
+        "whole: when the step is done) and let a host thread keep about this many MiB of it queued "
+        "on the GPU, so that the host's reads right after the step wait behind at most that much. "
+        f"0: copy out at the next forward. Default: {DEFAULT_IN_FLIGHT_MB} with the streamed step, "
+        "0 with the whole step. (megatron-offload)",
     )
     group.add_argument(
         "--offload-host-lead-layers",
@@ -139,13 +159,13 @@ def check_values(args) -> None:
         raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
     if args.offload_step_budget_mb < 0:
         raise validation.OffloadArgumentError("--offload-step-budget-mb must be >= 0 (0: automatic)")
-    if args.offload_step_budget_mb and not args.offload_chunked_step:
+    if args.offload_step_budget_mb and step_engine(args) == WHOLE:
         raise validation.OffloadArgumentError(
-            "--offload-step-budget-mb bounds the state resident during a chunked step: add "
-            "--offload-chunked-step or drop it")
+            "--offload-step-budget-mb bounds the state resident during a streamed step: drop it, "
+            "or --offload-step whole")
     if args.offload_copy_piece_mb < 0:
         raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
-    if args.offload_copy_out_in_flight_mb < 0:
+    if (args.offload_copy_out_in_flight_mb or 0) < 0:
         raise validation.OffloadArgumentError("--offload-copy-out-in-flight-mb must be >= 0 (0: off)")
     if args.offload_host_lead_layers < 0:
         raise validation.OffloadArgumentError("--offload-host-lead-layers must be >= 0 (0: no bound)")
@@ -155,6 +175,33 @@ def check_values(args) -> None:
             "state to offload (drop --offload-optimizer-states to offload nothing)")
 
 
+def step_engine(args) -> str:
+    """--offload-step as given, else the streamed step unless a quantized parameter gather
+    needs the whole one."""
+    chosen = getattr(args, "offload_step", None)
+    if chosen:
+        return chosen
+    if any(getattr(args, name, False) for _, name in validation.QUANTIZED_GATHER_FLAGS):
+        return WHOLE
+    return STREAMED
+
+
+def step_engine_note(args) -> str:
+    """How the attach line names the step engine (and why, where the default was not taken)."""
+    engine = step_engine(args)
+    if engine == WHOLE and not getattr(args, "offload_step", None):
+        flag = next(f for f, name in validation.QUANTIZED_GATHER_FLAGS if getattr(args, name, False))
+        return f"whole step ({flag} quantizes all parameters at once)"
+    return f"{engine} step"
+
+
+def copy_out_in_flight_mb(args) -> int:
+    given = getattr(args, "offload_copy_out_in_flight_mb", None)
+    if given is not None:
+        return given
+    return DEFAULT_IN_FLIGHT_MB if step_engine(args) == STREAMED else 0
+
+
 def config_from_args(args) -> OffloadConfig:
     """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
     auto = args.offload_state_fraction == AUTO
@@ -162,10 +209,10 @@ def config_from_args(args) -> OffloadConfig:
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
         margin_bytes=args.offload_memory_margin_mb * 2**20,
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
-        copy_out_in_flight_bytes=args.offload_copy_out_in_flight_mb * 2**20,
+        copy_out_in_flight_bytes=copy_out_in_flight_mb(args) * 2**20,
         state_fraction=1.0 if auto else args.offload_state_fraction,
         auto_fraction_at=AUTO_FRACTION_ITERATION if auto else None,
-        chunked_step=args.offload_chunked_step,
+        chunked_step=step_engine(args) == STREAMED,
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
         release_cache=args.offload_release_cached_memory,
         timing=not args.offload_no_timing,

@@ -190,8 +190,8 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     optimizer.step = step_and_notify
     hooked = coord.watch_model(model_chunks)
     clause, every_rank = _grad_accumulators_to_compute_stream(model_chunks, args)
-    _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers{clause}",
-           all_ranks=every_rank)
+    _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers, "
+           f"{megatron_args.step_engine_note(args)}{clause}", all_ranks=every_rank)
     if _allocator_note:
         _print(_allocator_note)
     coordinator = coord

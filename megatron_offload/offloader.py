@@ -97,7 +97,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         self.name = name
         self.chunks: List[Chunk] = []
         self.host: Optional[PinnedHostBuffer] = None
-        # Experimental (copy_feeder.py): when set, copy-outs are fed by its thread; a chunk it has
+        # (copy_feeder.py) when set, copy-outs are fed by its thread; a chunk it has
         # not enqueued yet has no `ready`, so `flush_copy_out` enqueues it first wherever one is needed.
         self.feeder = None
         self.snapshots = SaveSnapshots()  # for asynchronous saves (expose_host_copies); empty until one

@@ -29,6 +29,9 @@ def _is_fp8_dtype(value) -> bool:
 
 # The optimizer-state dtype flags of the precision-aware optimizer (flag, args attribute).
 MOMENT_DTYPE_FLAGS = (("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"))
+# Flags under which megatron-core quantizes the parameters from all masters in one operation, so
+# the step cannot be taken piece by piece (flag, args attribute).
+QUANTIZED_GATHER_FLAGS = (("--fp8-param-gather", "fp8_param_gather"), ("--fp4-param-gather", "fp4_param_gather"))
 
 
 def problems(args) -> List[str]:
@@ -98,14 +101,14 @@ def problems(args) -> List[str]:
                 "tensor subclasses with separate scales that a byte copy would not move exactly. "
                 f"Use {flag} fp32, bf16 or fp16, or drop {FLAG}."
             )
-    if _get(args, "offload_chunked_step", False):
-        for flag, name in (("--fp8-param-gather", "fp8_param_gather"), ("--fp4-param-gather", "fp4_param_gather")):
+    if _get(args, "offload_step", None) == "streamed":
+        for flag, name in QUANTIZED_GATHER_FLAGS:
             if _get(args, name, False):
                 out.append(
-                    f"--offload-chunked-step cannot be combined with {flag}: copying the updated "
-                    "masters into the quantized parameters is one operation over all of them, so "
-                    "they cannot be stepped piece by piece. Drop --offload-chunked-step (the "
-                    "unchunked step brings the whole state back for the step) or the flag."
+                    f"--offload-step streamed (or --offload-chunked-step) cannot be combined with {flag}: "
+                    "copying the updated masters into the quantized parameters is one operation over all "
+                    "of them, so they cannot be stepped piece by piece. Drop it: with this flag the "
+                    "plugin's default is the whole step, which brings the whole state back for the step."
                 )
     if _get(args, "overlap_moe_expert_parallel_comm", False):
         out.append(

@@ -97,7 +97,11 @@ ARG_MODIFIERS = {
 }
 VARIANTS = {
     "baseline": [],
+    # The plugin's defaults: the streamed step (the copy-out fed as each chunk is stepped).
     "offload": ["--offload-optimizer-states"],
+    # The whole step (the state back for one step, out at the next forward): the default before
+    # the streamed step (results named plain "offload" before 2026-11-27 ran this).
+    "offload-whole": ["--offload-optimizer-states", "--offload-step", "whole"],
     "offload-chunk64": ["--offload-optimizer-states", "--offload-chunk-size-mb", "64"],
     "offload-chunk128": ["--offload-optimizer-states", "--offload-chunk-size-mb", "128"],
     "offload-piece32": ["--offload-optimizer-states", "--offload-copy-piece-mb", "32"],
@@ -105,15 +109,17 @@ VARIANTS = {
     "offload-frac47": ["--offload-optimizer-states", "--offload-state-fraction", "0.47"],
     # Measures iteration 3 of its own run, then offloads what moves for free (auto_fraction.py).
     "offload-auto": ["--offload-optimizer-states", "--offload-state-fraction", "auto"],
-    # The step piece by piece, its resident state bounded (issue 4); budget automatic.
-    "offload-chunked": ["--offload-optimizer-states", "--offload-chunked-step"],
-    # Experimental (copy_feeder.py): the copy-out starts at the step, fed 256 MiB at a time; with the
-    # chunked step, each chunk as it is stepped (issue 24's streamed step, in-step copy-out included).
-    "offload-fed": ["--offload-optimizer-states", "--offload-copy-out-in-flight-mb", "256"],
+    "offload-auto-whole": ["--offload-optimizer-states", "--offload-state-fraction", "auto", "--offload-step", "whole"],
+    # The step piece by piece without the feeder: stepped chunks leave in the step only when a later
+    # piece needs their room, the rest at the next forward.
+    "offload-chunked": ["--offload-optimizer-states", "--offload-chunked-step", "--offload-copy-out-in-flight-mb", "0"],
+    # The whole step with the copy-out fed from the step on, 256 MiB in flight.
+    "offload-fed": ["--offload-optimizer-states", "--offload-step", "whole", "--offload-copy-out-in-flight-mb", "256"],
+    # The streamed step as sessions 18-25 ran it (256 MiB in flight; the default is now 1024).
     "offload-chunked-fed": ["--offload-optimizer-states", "--offload-chunked-step", "--offload-copy-out-in-flight-mb",
                             "256"],
-    # The automatic fraction with the copy-out started at the step (fed), and with the streamed step.
-    "offload-auto-fed": ["--offload-optimizer-states", "--offload-state-fraction", "auto",
+    # The automatic fraction on the whole step with the fed copy-out, and on the streamed step at 256 MiB.
+    "offload-auto-fed": ["--offload-optimizer-states", "--offload-state-fraction", "auto", "--offload-step", "whole",
                          "--offload-copy-out-in-flight-mb", "256"],
     "offload-auto-chunked-fed": ["--offload-optimizer-states", "--offload-state-fraction", "auto",
                                  "--offload-chunked-step", "--offload-copy-out-in-flight-mb", "256"],
@@ -132,8 +138,9 @@ VARIANT_ENV = {"native-offload": {"MEGATRON_OFFLOAD_NATIVE_ROUNDTRIP": "1"}}
 
 def variant_args(variant):
     """Arguments of a variant: one of VARIANTS, or offload-chunk<MiB> / offload-frac<percent> /
-    offload-stepbudget<MiB>[-chunk<MiB>] / offload-chunked-chunk<MiB> (automatic budget) /
-    offload-fed<MiB> / offload-chunked-fed<MiB> (that much copy-out in flight instead of 256)."""
+    offload-stepbudget<MiB>[-chunk<MiB>] (the default engine with that budget) /
+    offload-chunked-chunk<MiB> (offload-chunked, automatic budget) / offload-fed<MiB> /
+    offload-chunked-fed<MiB> (that much copy-out in flight instead of 256)."""
     if variant in VARIANTS:
         return VARIANTS[variant]
     m = re.fullmatch(r"offload-chunked-chunk(\d+)", variant)
@@ -149,7 +156,7 @@ def variant_args(variant):
                          "offload-fed<MiB>, offload-chunked-fed<MiB>")
     if m.group(1) == "stepbudget":
         chunk = ["--offload-chunk-size-mb", m.group(3)] if m.group(3) else []
-        return ["--offload-optimizer-states", "--offload-chunked-step", "--offload-step-budget-mb", m.group(2), *chunk]
+        return ["--offload-optimizer-states", "--offload-step-budget-mb", m.group(2), *chunk]
     if m.group(1) == "chunk":
         return ["--offload-optimizer-states", "--offload-chunk-size-mb", m.group(2)]
     return ["--offload-optimizer-states", "--offload-state-fraction", str(int(m.group(2)) / 100)]

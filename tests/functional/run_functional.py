@@ -7,8 +7,9 @@ $MEGATRON_LM_DIR, ../shared/megatron-lm or .upstream/megatron-lm), else the proj
 scripts/pretrain_gpt_mock.py; --script mock|upstream|PATH chooses. Runs (mock data):
   baseline          no offload, saves a torch_dist checkpoint at iteration iters/2
   no_plugin         the script without megatron-offload at all (isolates Megatron's own behaviour)
-  offload           --offload-optimizer-states, same checkpoint schedule
-  offload_chunked   --offload-chunked-step with a 64 MiB step budget: its saves happen with state
+  offload           --offload-optimizer-states (the streamed step), same checkpoint schedule
+  offload_whole     the same with --offload-step whole (the whole state back for the step)
+  offload_chunked   the streamed step with a 64 MiB step budget: its saves happen with state
                     off the GPU, so they test the bounded save
   resume_offload    offload, resumes the offload run's checkpoint at iters/2
   resume_chunked    offload_chunked, resumes the offload_chunked run's checkpoint (saved with state
@@ -45,8 +46,8 @@ from megatron_runs import (  # noqa: E402
     choose_script, launch, launch_expecting_failure, megatron_printed, model_args, printed_losses, replay,
     reserved_saving_check, run_losses as losses, run_peak, save_growth_checks)
 
-CASES = ("baseline,no_plugin,offload,offload_chunked,resume_offload,resume_plain,plain_to_offload,crash,"
-         "resume_after_crash")
+CASES = ("baseline,no_plugin,offload,offload_whole,offload_chunked,resume_offload,resume_plain,plain_to_offload,"
+         "crash,resume_after_crash")
 LOADS_FROM = {"resume_offload": "offload", "resume_chunked": "offload_chunked", "resume_plain": "offload",
               "plain_to_offload": "baseline", "resume_baseline": "baseline", "resume_after_crash": "crash",
               "model_only_plain": "offload", "model_only_offload": "offload"}
@@ -107,7 +108,7 @@ def compare_runs(runs, printed, iters, nproc):
         if "no_plugin" in runs:
             check("no_plugin: losses bit-identical to the baseline (installed with the flag off changes nothing)",
                   losses(runs["no_plugin"]) == losses(b) and len(losses(b)) == iters)
-        for name in ("offload", "offload_chunked"):
+        for name in ("offload", "offload_whole", "offload_chunked"):
             if name not in runs:
                 continue
             o = runs[name]
@@ -124,9 +125,9 @@ def compare_runs(runs, printed, iters, nproc):
                 moved = orr.get("cumulative_d2h_bytes", 0)
                 check(f"{name}: rank {r} state actually moved", off_bytes > 0 and moved >= off_bytes * (iters - 1),
                       f"(d2h {moved / 2**30:.2f} GiB over the run)")
-                if name == "offload":
+                if name in ("offload", "offload_whole"):
                     check(f"{name}: rank {r} steady peak reserved lower", *reserved_saving_check(br, orr, WARMUP))
-            if name == "offload_chunked":  # the unchunked step saves with the whole state resident
+            if name == "offload_chunked":  # (its tiny budget: most of the state is off at each save)
                 for what, ok, detail in save_growth_checks(b["ranks"], o["ranks"]):
                     check(f"{name}: {what}", ok, detail)
     if "model_only_plain" in runs and "model_only_offload" in runs:
@@ -210,7 +211,7 @@ def main(argv=None):
             print(f"--from-records: no finished run of {unfinished} in {opts.out}; checked without them", flush=True)
         cases = [n for n in cases if n not in unfinished]
     else:
-        for name in ("baseline", "offload", "offload_chunked", "crash"):
+        for name in ("baseline", "offload", "offload_whole", "offload_chunked", "crash"):
             shutil.rmtree(ck(name), ignore_errors=True)
         # Nothing of an earlier call in this folder may pass for this one's (--from-records reads these).
         for path in [*(f"{name}.exit" for name in cases), "functional_summary.json"]:
@@ -234,12 +235,11 @@ def main(argv=None):
         # Both runs log it, so that its temporaries count in both peaks.
         "baseline": base + save("baseline") + ["--log-params-norm"],
         "offload": base + save("offload") + offload + ["--log-params-norm"],
-        "offload_chunked": base + save("offload_chunked") + offload + [
-            "--offload-chunked-step", "--offload-step-budget-mb", "64"],
+        "offload_whole": base + save("offload_whole") + offload + ["--offload-step", "whole", "--log-params-norm"],
+        "offload_chunked": base + save("offload_chunked") + offload + ["--offload-step-budget-mb", "64"],
         "no_plugin": base,
         "resume_offload": base + resume("offload") + offload,
-        "resume_chunked": base + resume("offload_chunked") + offload + [
-            "--offload-chunked-step", "--offload-step-budget-mb", "64"],
+        "resume_chunked": base + resume("offload_chunked") + offload + ["--offload-step-budget-mb", "64"],
         "resume_plain": base + resume("offload"),
         "resume_baseline": base + resume("baseline"),
         "plain_to_offload": base + resume("baseline") + offload,

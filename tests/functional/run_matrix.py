@@ -17,6 +17,8 @@ default) and compare with the uninterrupted run:
   no_load_optim     --no-load-optim, without and with offload (masters rebuilt from the params)
   finetune          --finetune, without and with offload (iteration and optimizer start afresh)
 
+Every case offloads with the streamed step (the default), "-chunked" cases with a 64 MiB step budget,
+"-whole" cases with `--offload-step whole`.
 `dp2-async-chunked` saves with --async-save in the middle of chunked training (the background writer
 reads private copies of what is off the GPU while training goes on) and resumes from it.
 
@@ -84,27 +86,29 @@ CASES = {
     "dp2-async-chunked": (2, ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"], {},
                           ("resume_offload",)),
 }
-# The chunked optimizer step (--offload-chunked-step) on the layouts where the step is the
-# small model's memory peak (PP stages) and on a chain of two DistributedOptimizers.
-# The chunked cases on two layouts also save at half time and resume, with and without the
-# plugin: a save in the middle of chunked training (state partly copied out, partly offloaded).
+# Every case offloads with the plugin's default engine, the streamed step (automatic budget). The
+# "-chunked" cases bound it to SMALL_STEP_BUDGET on the layouts where the step is the small model's
+# memory peak (PP stages) and on a chain of two DistributedOptimizers; with the automatic budget
+# these small models keep all their state through the step (pp2: a 1.29 GiB budget for 0.27 GiB,
+# measured), so the bound is what makes the step's pipeline run. The chunked cases on two layouts
+# also save at half time and resume, with and without the plugin: a save in the middle of chunked
+# training (state partly copied out, partly offloaded). The "-whole" cases run the whole step
+# (--offload-step whole, the default under a quantized parameter gather).
 CHUNKED_RESUMES = {"pp2": ("resume_offload",), "ep2-moe": ("resume_offload", "resume_plain")}
 for _name in ("pp2", "pp2-vpp", "ep2-moe"):
     CASES[f"{_name}-chunked"] = CASES[_name][:3] + (CHUNKED_RESUMES.get(_name, ()),)
+for _name in ("dp2", "ep2-moe"):
+    CASES[f"{_name}-whole"] = CASES[_name][:3] + ((),)
 OFFLOAD = ["--offload-optimizer-states"]
-
-
-# With the automatic step budget the small models keep all their state through the step (pp2: a
-# 1.29 GiB budget for 0.27 GiB, measured), so a save would find nothing off the GPU to read from
-# the host: the checkpointed chunked cases hold at most 64 MiB during the step.
 SMALL_STEP_BUDGET = ["--offload-step-budget-mb", "64"]
 
 
 def offload_args(case):
-    if not case.endswith("-chunked"):
-        return OFFLOAD
-    budget = SMALL_STEP_BUDGET if CASES[case][3] else []
-    return OFFLOAD + ["--offload-chunked-step"] + budget
+    if case.endswith("-whole"):
+        return OFFLOAD + ["--offload-step", "whole"]
+    if case.endswith("-chunked"):
+        return OFFLOAD + SMALL_STEP_BUDGET
+    return OFFLOAD
 # Checkpoint runs resuming the case's own runs: which run's checkpoint, and with offloading?
 RESUMES = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
            "plain_to_offload": ("baseline", True)}
@@ -194,8 +198,8 @@ def run_case(name, iters, out, slots):
         if not name.endswith("-chunked"):  # (the chunked cases' small budget trades memory for time)
             check(f"rank {r} steady peak reserved lower", *reserved_saving_check(pr, orr, first=3))
     if ckpt_runs and name.endswith("-chunked"):
-        # Only the chunked step saves with state off the GPU (save_growth_check requires it);
-        # the unchunked one saves with everything resident, where there is nothing to bound.
+        # Only the small step budget has state off the GPU at a save (save_growth_check requires
+        # it); with the automatic budget or the whole step these models save with it resident.
         for what, ok, detail in save_growth_checks(plain["ranks"], offload["ranks"]):
             check(what, ok, detail)
 

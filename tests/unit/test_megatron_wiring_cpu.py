@@ -224,17 +224,55 @@ def test_state_fraction_auto_is_accepted_and_anything_else_not_a_number_refused(
         parse(["--offload-state-fraction", "most"])
 
 
-def test_chunked_step_flags():
-    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-chunked-step",
-               "--offload-step-budget-mb", "1536"])
+def test_the_streamed_step_is_the_default_engine_and_whole_is_one_flag_away():
+    from megatron_offload import megatron_args
+
+    on = ["--offload-optimizer-states", "--use-distributed-optimizer"]
+    default = parse(on)
+    megatron_wiring.validate_args(default)
+    config = megatron_args.config_from_args(default)
+    assert config.chunked_step and config.copy_out_in_flight_bytes == megatron_args.DEFAULT_IN_FLIGHT_MB * 2**20
+    assert megatron_args.step_engine_note(default) == "streamed step"
+    whole = parse(on + ["--offload-step", "whole"])
+    megatron_wiring.validate_args(whole)
+    config = megatron_args.config_from_args(whole)
+    assert not config.chunked_step and config.copy_out_in_flight_bytes == 0
+    # The older flag still asks for the streamed step; an explicit in-flight amount wins either way.
+    old = parse(on + ["--offload-chunked-step", "--offload-copy-out-in-flight-mb", "0"])
+    megatron_wiring.validate_args(old)
+    config = megatron_args.config_from_args(old)
+    assert config.chunked_step and config.copy_out_in_flight_bytes == 0
+    fed_whole = megatron_args.config_from_args(parse(on + ["--offload-step", "whole",
+                                                            "--offload-copy-out-in-flight-mb", "256"]))
+    assert not fed_whole.chunked_step and fed_whole.copy_out_in_flight_bytes == 256 * 2**20
+    with pytest.raises(SystemExit):
+        parse(on + ["--offload-step", "chunky"])
+
+
+@pytest.mark.parametrize("flag", ["--fp8-param-gather", "--fp4-param-gather"])
+def test_quantized_param_gather_defaults_to_the_whole_step_and_says_so(flag):
+    from megatron_offload import megatron_args
+
+    a = argparse.Namespace(**vars(parse(["--offload-optimizer-states", "--use-distributed-optimizer"])))
+    setattr(a, flag[2:].replace("-", "_"), True)
     megatron_wiring.validate_args(a)
-    assert a.offload_chunked_step and a.offload_step_budget_mb == 1536
-    assert not parse([]).offload_chunked_step and parse([]).offload_step_budget_mb == 0
-    alone = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-step-budget-mb", "512"])
-    with pytest.raises(OffloadArgumentError, match="--offload-chunked-step"):
-        megatron_wiring.validate_args(alone)
-    negative = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-chunked-step",
-                      "--offload-step-budget-mb", "-1"])
+    config = megatron_args.config_from_args(a)
+    assert not config.chunked_step and config.copy_out_in_flight_bytes == 0
+    assert megatron_args.step_engine_note(a) == f"whole step ({flag} quantizes all parameters at once)"
+    a.offload_step = "streamed"
+    with pytest.raises(OffloadArgumentError, match="--offload-step streamed"):
+        megatron_wiring.validate_args(a)
+
+
+def test_step_budget_flag():
+    a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-step-budget-mb", "1536"])
+    megatron_wiring.validate_args(a)
+    assert a.offload_step_budget_mb == 1536 and parse([]).offload_step_budget_mb == 0
+    whole = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-step", "whole",
+                   "--offload-step-budget-mb", "512"])
+    with pytest.raises(OffloadArgumentError, match="--offload-step whole"):
+        megatron_wiring.validate_args(whole)
+    negative = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-step-budget-mb", "-1"])
     with pytest.raises(OffloadArgumentError, match="--offload-step-budget-mb"):
         megatron_wiring.validate_args(negative)
 
@@ -252,10 +290,10 @@ def test_host_lead_flag_defaults_to_the_config_and_refuses_negative_values():
         megatron_wiring.validate_args(parse(on + ["--offload-host-lead-layers", "-1"]))
 
 
-def test_copy_out_feeder_flag_is_opt_in_and_reaches_the_config():
+def test_copy_out_in_flight_flag_reaches_the_config_and_refuses_negative_values():
     from megatron_offload import megatron_args
 
-    assert parse([]).offload_copy_out_in_flight_mb == 0
+    assert parse([]).offload_copy_out_in_flight_mb is None  # resolved by the step engine
     a = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-copy-out-in-flight-mb", "256"])
     megatron_wiring.validate_args(a)
     assert megatron_args.config_from_args(a).copy_out_in_flight_bytes == 256 * 2**20
@@ -540,7 +578,10 @@ def test_flags_become_a_frozen_config_and_the_product_reads_no_diagnostic_variab
                 "MEGATRON_OFFLOAD_BACKWARD_RELOADS"):
         monkeypatch.setenv(var, "1" if var.endswith("WAIT") else "0")
     config = megatron_args.config_from_args(args)
-    assert config == OffloadConfig(chunk_bytes=32 * 2**20, auto_fraction_at=megatron_args.AUTO_FRACTION_ITERATION)
+    # (The flags' default engine is the streamed step; OffloadConfig's own defaults are the whole step.)
+    assert config == OffloadConfig(chunk_bytes=32 * 2**20, auto_fraction_at=megatron_args.AUTO_FRACTION_ITERATION,
+                                   chunked_step=True,
+                                   copy_out_in_flight_bytes=megatron_args.DEFAULT_IN_FLIGHT_MB * 2**20)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.chunk_bytes = 1
     monkeypatch.setitem(megatron_args.DIAGNOSTICS, "host_waits_at_free", True)  # what the benchmark sets

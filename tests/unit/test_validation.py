@@ -108,8 +108,10 @@ def test_all_problems_are_reported_together():
 
 @pytest.mark.parametrize("flag,name", [("--fp8-param-gather", "fp8_param_gather"),
                                        ("--fp4-param-gather", "fp4_param_gather")])
-def test_chunked_step_refuses_quantized_param_gather(flag, name):
-    found = problems(args(offload_chunked_step=True, **{name: True}))
-    assert len(found) == 1 and flag in found[0] and "--offload-chunked-step" in found[0]
-    assert problems(args(offload_chunked_step=False, **{name: True})) == []
-    assert problems(args(offload_chunked_step=True)) == []
+def test_an_explicit_streamed_step_refuses_quantized_param_gather(flag, name):
+    found = problems(args(offload_step="streamed", **{name: True}))
+    assert len(found) == 1 and flag in found[0] and "--offload-step streamed" in found[0]
+    # Left to the default (the whole step under these flags) or asked whole: fine.
+    assert problems(args(**{name: True})) == []
+    assert problems(args(offload_step="whole", **{name: True})) == []
+    assert problems(args(offload_step="streamed")) == []
