@@ -74,6 +74,19 @@ class ChunkedStepSchedule:
                     return
             self._own_allocations += off.start_copy_in([chunk])
 
+    def _admissible(self, todo, budget: int):
+        """The leading OFFLOADED chunks of `todo` that `_admit` would reload now without freeing
+        anything (outside a step, where nothing stepped can be freed)."""
+        resident, out = self.resident_bytes, []
+        for off, chunk in todo:
+            if chunk.state is not ChunkState.OFFLOADED:
+                continue
+            if resident + chunk.gpu_nbytes > budget:
+                break
+            resident += chunk.gpu_nbytes
+            out.append((off, chunk))
+        return out
+
     def _free_stepped(self, nbytes: int, keep_latest: bool = True) -> None:
         """Free chunks the step copied out, oldest copy first, until `nbytes` are freed or none
         is left. `free` makes the compute stream wait for the chunk's D2H, so with `keep_latest`

@@ -199,11 +199,11 @@ class MemoryPolicy:
         self.reloads_deferred_for_fit += len(chosen) - len(fitted)
         return fitted
 
-    def _room_for_fallback(self) -> None:
+    def _room_for_fallback(self, chunks=None) -> None:
         """Before the fallback reload (`grads_finalizing`) of an iteration whose first forward
-        found every chunk off the GPU: if the chunks still off fit no set of the allocator's free
-        blocks (best-fit, in the order they are reloaded), hand the mapped free memory back to the
-        device first.
+        found every chunk off the GPU: if the chunks it reloads (`chunks`; default: every chunk
+        still off) fit no set of the allocator's free blocks (best-fit, in the order they are
+        reloaded), hand the mapped free memory back to the device first.
 
         Why: the reload would map new memory above blocks that are free but too small, and that
         memory stays mapped: reserved grows for good by the chunks that did not fit. The free
@@ -214,13 +214,16 @@ class MemoryPolicy:
         and what the fallback maps is reused from the iteration before: no release there (it
         would cost a host wait and new mappings every iteration). Once the backward has released
         its activations, what is free is cache; the next forward maps again only what it uses.
-        Not with `backward_reloads=False` (a diagnostic whose fit reader answers "nothing fits")
-        nor with the chunked step (the step brings its chunks back within a budget). See [Note:
-        fallback release] in docs/design.md."""
+        With the streamed step `chunks` are those its budget admits at `grads_finalizing` (with
+        the automatic budget usually all of them); the step brings the rest back into the room
+        of chunks it has sent out. Not with `backward_reloads=False` (a diagnostic whose fit
+        reader answers "nothing fits"). See [Note: fallback release] in docs/design.md."""
         if (not self.config.release_before_unfitted_reload or not self.config.backward_reloads
                 or self._free_block_sizes is None or not self.it.began_offloaded):
             return
-        todo = [_request_bytes(c) for _, c in self._chunks(ChunkState.OFFLOADED)]
+        if chunks is None:
+            chunks = [c for _, c in self._chunks(ChunkState.OFFLOADED)]
+        todo = [_request_bytes(c) for c in chunks]
         if not todo:
             return
         free = self._free_mapped() if self._free_mapped is not None else None

@@ -192,18 +192,22 @@ def test_offload_bit_exact_and_state_freed():
     coord.close()
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("delay_cycles", [0, 50_000_000], ids=["", "copy-stream-delays"])
-def test_fallback_release_in_the_first_iteration_stays_bit_exact(delay_cycles):
+def test_fallback_release_in_the_first_iteration_stays_bit_exact(delay_cycles, streamed):
     """MemoryPolicy._room_for_fallback on the real allocator: a free-block reader that finds room for
-    no chunk leaves every reload to the fallback; in the first iteration (every chunk off since the
-    start-up offload) the fallback first waits for the compute stream and empties the cache, while
-    copies may still be in flight, then reloads. Later iterations began with the chunks on the GPU:
-    no release there. Training stays bit-exact."""
+    no chunk leaves every reload to the fallback (the streamed step: to its admission at
+    grads_finalizing); in the first iteration (every chunk off since the start-up offload) it first
+    waits for the compute stream and empties the cache, while copies may still be in flight, then
+    reloads. Later iterations began with the chunks on the GPU: no release there. Training stays
+    bit-exact."""
     ref_losses, _, ref_digest = reference()
     torch.cuda.empty_cache()
     model, optimizer = build()
+    engine = dict(chunked_step=True, copy_out_in_flight_bytes=2**30) if streamed else {}
     # Small chunks: the cache a backward leaves always holds one (the release's lower bound).
-    coord = attach(model, optimizer, delay_cycles=delay_cycles, chunk_bytes=2**20, free_block_sizes=lambda: [])
+    coord = attach(model, optimizer, delay_cycles=delay_cycles, chunk_bytes=2**20, free_block_sizes=lambda: [],
+                   **engine)
     losses, _ = train(model, optimizer, coord)
     assert losses == ref_losses
     assert digest(model, optimizer, coord) == ref_digest
