@@ -17,8 +17,13 @@ def usage() -> str:
 
     from megatron_offload.megatron_wiring import add_arguments
 
+    class Defaults(argparse.ArgumentDefaultsHelpFormatter):
+        # No "(default: None)": such a flag's default is resolved from the others, as its help says.
+        def _get_help_string(self, action):
+            return action.help if action.default is None else super()._get_help_string(action)
+
     parser = argparse.ArgumentParser(
-        prog="megatron-offload", add_help=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="megatron-offload", add_help=False, formatter_class=Defaults,
         usage="torchrun [torchrun args] -m megatron_offload SCRIPT.py [Megatron args] --offload-optimizer-states [options]",
         description=__doc__.strip().splitlines()[0])
     add_arguments(parser)

@@ -1,4 +1,4 @@
-"""The chunked step's schedule (`--offload-chunked-step`): piece k of an offloader's step is its chunk
+"""The streamed step's schedule (the default engine, `--offload-step streamed`): piece k of an offloader's step is its chunk
 k; which chunks are loaded ahead, stepped and sent out behind within the step's memory budget.
 Methods of `OffloadCoordinator` (chunked_step.py installs the piecewise step that calls them); their
 attributes are set by `_init_chunked_schedule`.

@@ -1,4 +1,4 @@
-"""The inner optimizer step, run piece by piece (`--offload-chunked-step`; the coordinator drives it).
+"""The inner optimizer step, run piece by piece (the streamed step, `--offload-step streamed`; the coordinator drives it).
 
 Stepping all parameters at once needs the whole optimizer state on the GPU, plus the temporaries
 of a foreach/multi-tensor Adam over all of it. Stepping in pieces bounds both: only the pieces in

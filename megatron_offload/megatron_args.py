@@ -19,10 +19,9 @@ AUTO_FRACTION_ITERATION = 3
 # for one step.
 STREAMED, WHOLE = "streamed", "whole"
 STEP_ENGINES = (STREAMED, WHOLE)
-# The streamed step's copy-out in flight by default (MiB). Why this much: the feeder thread tops
-# the queue up only when it holds the GIL, which the training loop's host thread hands over about
-# every 5 ms (sys.getswitchinterval); a queue shorter than that at ~55 GB/s runs dry in between.
-# A read right after the step then waits behind at most ~20 ms of copy.
+# The streamed step's copy-out in flight by default (MiB): chosen side by side with 256 on R1 (see
+# [Note: copy-out at the next forward] in docs/design.md). What it costs: a read right after the
+# step (the loss) may wait behind this much copy.
 DEFAULT_IN_FLIGHT_MB = 1024
 
 # Overrides of OffloadConfig's diagnostic fields (keep_backward_workspace, backward_reloads,
@@ -74,7 +73,8 @@ def add_flags(parser):
         "copy directions overlapped, the state on the GPU bounded by --offload-step-budget-mb. "
         "'whole': the whole state comes back for one step and leaves with the next forward (the "
         "default under --fp8-param-gather / --fp4-param-gather, which quantize all parameters in "
-        "one operation). (megatron-offload)",
+        "one operation, and under --log-params-norm, which reads every master right after the "
+        "step, unless --offload-step-budget-mb is given). (megatron-offload)",
     )
     group.add_argument(
         "--offload-chunked-step",
@@ -161,8 +161,8 @@ def check_values(args) -> None:
         raise validation.OffloadArgumentError("--offload-step-budget-mb must be >= 0 (0: automatic)")
     if args.offload_step_budget_mb and step_engine(args) == WHOLE:
         raise validation.OffloadArgumentError(
-            "--offload-step-budget-mb bounds the state resident during a streamed step: drop it, "
-            "or --offload-step whole")
+            "--offload-step-budget-mb bounds the state resident during a streamed step, and this run "
+            "asks for the whole step (--offload-step whole): drop one of them")
     if args.offload_copy_piece_mb < 0:
         raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
     if (args.offload_copy_out_in_flight_mb or 0) < 0:
@@ -175,23 +175,34 @@ def check_values(args) -> None:
             "state to offload (drop --offload-optimizer-states to offload nothing)")
 
 
+def _whole_by_default(args):
+    """Why the default engine is the whole step for these flags (None: it is the streamed step)."""
+    for flag, name in validation.QUANTIZED_GATHER_FLAGS:
+        if getattr(args, name, False):
+            return f"{flag} quantizes all parameters at once"
+    if getattr(args, "log_params_norm", False):
+        # Why: the norm reads every master right after the step; the streamed step would have to
+        # wait there for its whole copy-out (or bring chunks back), the whole step has them resident.
+        return "--log-params-norm reads every master right after the step"
+    return None
+
+
 def step_engine(args) -> str:
-    """--offload-step as given, else the streamed step unless a quantized parameter gather
-    needs the whole one."""
+    """--offload-step as given; else the streamed step where a step budget is given (it bounds that
+    step) or nothing calls for the whole step (`_whole_by_default`)."""
     chosen = getattr(args, "offload_step", None)
     if chosen:
         return chosen
-    if any(getattr(args, name, False) for _, name in validation.QUANTIZED_GATHER_FLAGS):
-        return WHOLE
-    return STREAMED
+    if getattr(args, "offload_step_budget_mb", 0):
+        return STREAMED
+    return WHOLE if _whole_by_default(args) else STREAMED
 
 
 def step_engine_note(args) -> str:
     """How the attach line names the step engine (and why, where the default was not taken)."""
     engine = step_engine(args)
     if engine == WHOLE and not getattr(args, "offload_step", None):
-        flag = next(f for f, name in validation.QUANTIZED_GATHER_FLAGS if getattr(args, name, False))
-        return f"whole step ({flag} quantizes all parameters at once)"
+        return f"whole step ({_whole_by_default(args)})"
     return f"{engine} step"
 
 

@@ -309,7 +309,7 @@ def _wrap_get_megatron_optimizer(original):
     checkpoint: the state is sent out chunk by chunk at once, and the resume's load then writes
     into the host copies (coordinator.before_state_access) instead of putting the whole state on
     the GPU (the moments a load allocates would otherwise be the start-up's peak where the step
-    is the iteration's, e.g. with full recompute and --offload-chunked-step)."""
+    is the iteration's, e.g. with full recompute and a bounded streamed step)."""
 
     @functools.wraps(original)
     def wrapper(config, model_chunks, *a, **k):
@@ -408,10 +408,11 @@ def _wrap_training_log(original):
 
 
 def _wrap_calc_params_l2_norm(original):
-    """--log-params-norm reads every fp32 master after the step. The unchunked step leaves them
-    all resident until the next forward; the chunked step has sent some out already, and the
-    norm is one multi-tensor reduction over all of them: bring them back for it as a checkpoint
-    reader would (host copies stay current, so they leave again without a D2H)."""
+    """--log-params-norm reads every fp32 master after the step. The whole step (the default under
+    that flag) leaves them all resident until the next forward; the streamed step has sent some
+    out already (or has their copy-out in flight), and the norm is one multi-tensor reduction over
+    all of them: bring them back for it as a checkpoint reader would (host copies stay current, so
+    they leave again without a D2H)."""
 
     @functools.wraps(original)
     def wrapper(*a, **k):

@@ -17,14 +17,15 @@ state size and the PCIe bandwidth per direction. The model, for X bytes to take 
   resident: the step's own temporaries therefore bound X, see `max_unchunked_bytes`);
 * both directions at once share `both_gbps`.
 
-With a chunked step (`predict(..., step_budget=B)`, `--offload-chunked-step`) the step holds at
+With a chunked step (`predict(..., step_budget=B)`: the streamed step bounded by `--offload-step-budget-mb`,
+its in-step copy-out only where later pieces need the room) the step holds at
 most B bytes of state (plus one piece's temporaries) instead of all of it: the reload before the
 step stops at B; the rest streams in during the step while the stepped pieces stream out, both
 directions at once, so the step lasts at least its compute time and at least the time to bring
 the rest in at that shared rate; the last B bytes stepped stay resident and their copy-out opens
 the next iteration (the others left during the step).
 
-With the streamed step (`predict(..., streamed=True)`, issue 24's schedule) the step begins on the
+With the streamed step (`predict(..., streamed=True)`: the plugin's default engine) the step begins on the
 chunks already back while the rest stream in (as the chunked step, with the whole state as its
 budget), and each stepped chunk streams out at once, during the rest of the step, both directions
 sharing `both_gbps`: what left during one step is already off the GPU when the next iteration
@@ -375,11 +376,12 @@ def report(profile: Profile, name: str = "") -> str:
              f"D2H {profile.d2h_gbps:g} / H2D {profile.h2d_gbps:g} GB/s"]
     cap = profile.max_unchunked_bytes
     if cap < profile.state_bytes - 1e-6:
-        lines.append(f"  the optimizer step itself is (near) the peak: an unchunked step lets at most "
-                     f"{cap / GiB:.2f} GiB come off it (a chunked step is needed for more)")
+        lines.append(f"  the optimizer step itself is (near) the peak: the whole step (--offload-step whole) "
+                     f"lets at most {cap / GiB:.2f} GiB come off it (a bounded streamed step is needed for more)")
         for budget_gib in (1.5, 3.0):
             p = predict(profile, profile.state_bytes, step_budget=budget_gib * GiB)
-            lines.append(f"  --offload-chunked-step holding {budget_gib:g} GiB during the step: all "
+            lines.append(f"  --offload-step-budget-mb {int(budget_gib * 1024)} (streamed step holding {budget_gib:g} "
+                         f"GiB during the step): all "
                          f"{profile.state_bytes / GiB:.2f} GiB off the peak in {p.iteration_ms:.0f} ms/iter "
                          f"({p.ratio:.3f}x{'' if p.feasible else '; the budget does not fit under the lowered peak'})")
     if cap <= 0:

@@ -101,14 +101,18 @@ def problems(args) -> List[str]:
                 "tensor subclasses with separate scales that a byte copy would not move exactly. "
                 f"Use {flag} fp32, bf16 or fp16, or drop {FLAG}."
             )
-    if _get(args, "offload_step", None) == "streamed":
+    streamed = _get(args, "offload_step", None) == "streamed" or (
+        _get(args, "offload_step", None) is None and _get(args, "offload_step_budget_mb", 0))
+    if streamed:
+        asked = ("--offload-step streamed (or --offload-chunked-step)" if _get(args, "offload_step", None)
+                 else "--offload-step-budget-mb (it bounds a streamed step)")
         for flag, name in QUANTIZED_GATHER_FLAGS:
             if _get(args, name, False):
                 out.append(
-                    f"--offload-step streamed (or --offload-chunked-step) cannot be combined with {flag}: "
-                    "copying the updated masters into the quantized parameters is one operation over all "
-                    "of them, so they cannot be stepped piece by piece. Drop it: with this flag the "
-                    "plugin's default is the whole step, which brings the whole state back for the step."
+                    f"{asked} cannot be combined with {flag}: copying the updated masters into the "
+                    "quantized parameters is one operation over all of them, so they cannot be stepped "
+                    "piece by piece. Drop it: with this flag the plugin's default is the whole step, which "
+                    "brings the whole state back for the step."
                 )
     if _get(args, "overlap_moe_expert_parallel_comm", False):
         out.append(

@@ -97,10 +97,12 @@ ARG_MODIFIERS = {
 }
 VARIANTS = {
     "baseline": [],
-    # The plugin's defaults: the streamed step (the copy-out fed as each chunk is stepped).
+    # Every variant without --offload-step runs the plugin's default engine: the streamed step (the
+    # copy-out fed as each chunk is stepped). Results recorded before that default ran the whole
+    # step under these names (offload, offload-auto, offload-chunk*, offload-frac*, offload-piece*;
+    # offload-stepbudget* ran the chunked step without the feeder): benchmarks/NOTES.md says which.
     "offload": ["--offload-optimizer-states"],
-    # The whole step (the state back for one step, out at the next forward): the default before
-    # the streamed step (results named plain "offload" before 2026-11-27 ran this).
+    # The whole step (the state back for one step, out at the next forward).
     "offload-whole": ["--offload-optimizer-states", "--offload-step", "whole"],
     "offload-chunk64": ["--offload-optimizer-states", "--offload-chunk-size-mb", "64"],
     "offload-chunk128": ["--offload-optimizer-states", "--offload-chunk-size-mb", "128"],
@@ -115,7 +117,7 @@ VARIANTS = {
     "offload-chunked": ["--offload-optimizer-states", "--offload-chunked-step", "--offload-copy-out-in-flight-mb", "0"],
     # The whole step with the copy-out fed from the step on, 256 MiB in flight.
     "offload-fed": ["--offload-optimizer-states", "--offload-step", "whole", "--offload-copy-out-in-flight-mb", "256"],
-    # The streamed step as sessions 18-25 ran it (256 MiB in flight; the default is now 1024).
+    # The streamed step with 256 MiB in flight (the default is 1024), as earlier results ran it.
     "offload-chunked-fed": ["--offload-optimizer-states", "--offload-chunked-step", "--offload-copy-out-in-flight-mb",
                             "256"],
     # The automatic fraction on the whole step with the fed copy-out, and on the streamed step at 256 MiB.
@@ -232,6 +234,8 @@ def summarize(run, warmup):
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
+        # Copy-out pieces the feeder enqueued (copy_feeder.py): > 0 where the copy-out started in the step.
+        "feeder_enqueued_pieces": [r.get("feeder_enqueued_pieces") for r in ranks],
         "startup_and_run_s": run["seconds"],
         # The node's MemAvailable drop over the run (all ranks, their data-loader workers, the
         # kernel), against the pinned bytes of all ranks.
@@ -361,8 +365,13 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         streamed = planner.predict(prof, state, streamed=True)
         rows[name]["predicted_ratio_streamed"] = streamed.ratio
         vs_streamed = rows[name]["measured_over_streamed_ms"] = measured_over(r, streamed.iteration_ms)
+        # The floor of the engine the run used: the streamed step's where the step was chunked and its
+        # copy-out fed from the step on (the default engine), else the one above.
+        fed = budget and any((r.get("feeder_enqueued_pieces") or [0])[:1])
+        rows[name]["engine_floor_ratio"] = streamed.ratio if fed else pred.ratio
+        rows[name]["measured_over_engine_floor_ms"] = vs_streamed if fed else rows[name]["measured_over_predicted_ms"]
         print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
-              f"out during the step)" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
+              f"out during the step{'; the floor of this run' if fed else ''})" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
                                           f"{streamed.iteration_ms:.0f} ms" if vs_streamed else ""))
         if name.startswith("offload-auto") or name.startswith("offload-frac"):
             # Issue 3's automatic mode: bytes off the peak against what the planner calls free

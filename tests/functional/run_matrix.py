@@ -89,8 +89,8 @@ CASES = {
 # Every case offloads with the plugin's default engine, the streamed step (automatic budget). The
 # "-chunked" cases bound it to SMALL_STEP_BUDGET on the layouts where the step is the small model's
 # memory peak (PP stages) and on a chain of two DistributedOptimizers; with the automatic budget
-# these small models keep all their state through the step (pp2: a 1.29 GiB budget for 0.27 GiB,
-# measured), so the bound is what makes the step's pipeline run. The chunked cases on two layouts
+# these small models keep all their state through the step, so the bound is what makes the
+# step's pipeline run. The chunked cases on two layouts
 # also save at half time and resume, with and without the plugin: a save in the middle of chunked
 # training (state partly copied out, partly offloaded). The "-whole" cases run the whole step
 # (--offload-step whole, the default under a quantized parameter gather).

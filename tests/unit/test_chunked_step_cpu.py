@@ -475,15 +475,17 @@ def test_chunked_step_takes_the_chunks_coming_back_in_the_order_they_arrive():
     coord.close()
 
 
-@pytest.mark.parametrize("fits", [True, False], ids=["fits", "no-block-fits"])
+@pytest.mark.parametrize("fits", ["all", "none", "what-the-budget-admits"])
 def test_streamed_step_admission_hands_back_free_blocks_too_small_for_it(fits):
     """The streamed step's admission at grads_finalizing reloads what its budget holds (with the
     automatic budget, often everything), like the whole step's fallback: in an iteration whose first
     forward found every chunk off (after the start-up offload), when those chunks fit no set of free
-    blocks, the cached memory goes back first; never when they fit, nor in later iterations."""
+    blocks, the cached memory goes back first; never when they fit (only the chunks the budget admits
+    count: the step reloads the rest into the room of those it sends out), nor in later iterations."""
     from test_offloader_cpu import make_coord
 
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    admitted = 3  # chunks the budget below holds ("what-the-budget-admits")
     level, blocks, released, checked, events = [0], [], [], [], []
 
     def free_blocks():  # (no room inside the backward: every chunk is left to the admission)
@@ -492,16 +494,19 @@ def test_streamed_step_admission_hands_back_free_blocks_too_small_for_it(fits):
         checked.append(coord.it.forwards)
         return list(blocks)
 
-    coord = make_coord(chunk_bytes=2048, chunked_step=True, step_budget_bytes=10**9,
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, step_budget_bytes=1 if fits == "what-the-budget-admits" else 10**9,
                        memory_allocated=lambda: level[0], max_memory_allocated=lambda: level[0],
                        free_block_sizes=free_blocks, empty_cache=lambda: released.append(len(events)))
     off = coord.add_optimizer(opt)
     coord.offload_existing_state()
     coord.release_startup_state()
     released.clear()
+    if fits == "what-the-budget-admits":
+        coord.step_budget_bytes = admitted * off.chunks[0].gpu_nbytes
+        assert len(off.chunks) > admitted
     for step in range(3):
         sizes = [(c.gpu_nbytes + 511) // 512 * 512 for c in off.chunks]
-        blocks[:] = sizes if fits else []
+        blocks[:] = {"all": sizes, "none": [], "what-the-budget-admits": sizes[:admitted]}[fits]
         coord.events.clear()
         make_grads(ref.all_params(), step)
         ref.step()
@@ -509,13 +514,13 @@ def test_streamed_step_admission_hands_back_free_blocks_too_small_for_it(fits):
         assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
         events.append(list(coord.events))
         ev = coord.events
-        if not fits and step == 0:
+        if fits == "none" and step == 0:
             # After the backward, before the admission's reloads (the step's first piece).
             step_begin = next(i for i, e in enumerate(ev) if e.startswith("step_begin:"))
             assert ev.index("grads_finalizing") < ev.index("release:fallback") < step_begin, ev
         else:
             assert "release:fallback" not in ev, (step, ev)
-    assert len(released) == (0 if fits else 1), released
+    assert len(released) == (1 if fits == "none" else 0), released
     assert checked, "the admission's fit was never checked"
     coord.close()
 

@@ -249,8 +249,11 @@ def test_the_streamed_step_is_the_default_engine_and_whole_is_one_flag_away():
         parse(on + ["--offload-step", "chunky"])
 
 
-@pytest.mark.parametrize("flag", ["--fp8-param-gather", "--fp4-param-gather"])
-def test_quantized_param_gather_defaults_to_the_whole_step_and_says_so(flag):
+@pytest.mark.parametrize("flag,reason", [
+    ("--fp8-param-gather", "--fp8-param-gather quantizes all parameters at once"),
+    ("--fp4-param-gather", "--fp4-param-gather quantizes all parameters at once"),
+    ("--log-params-norm", "--log-params-norm reads every master right after the step")])
+def test_flags_that_read_or_quantize_all_masters_default_to_the_whole_step_and_say_so(flag, reason):
     from megatron_offload import megatron_args
 
     a = argparse.Namespace(**vars(parse(["--offload-optimizer-states", "--use-distributed-optimizer"])))
@@ -258,10 +261,23 @@ def test_quantized_param_gather_defaults_to_the_whole_step_and_says_so(flag):
     megatron_wiring.validate_args(a)
     config = megatron_args.config_from_args(a)
     assert not config.chunked_step and config.copy_out_in_flight_bytes == 0
-    assert megatron_args.step_engine_note(a) == f"whole step ({flag} quantizes all parameters at once)"
+    assert megatron_args.step_engine_note(a) == f"whole step ({reason})"
     a.offload_step = "streamed"
-    with pytest.raises(OffloadArgumentError, match="--offload-step streamed"):
+    if flag == "--log-params-norm":  # asked for, it runs (the norm brings the state back first)
         megatron_wiring.validate_args(a)
+        assert megatron_args.config_from_args(a).chunked_step
+        assert megatron_args.step_engine_note(a) == "streamed step"
+    else:
+        with pytest.raises(OffloadArgumentError, match="--offload-step streamed"):
+            megatron_wiring.validate_args(a)
+    # A step budget asks for the streamed step: taken under --log-params-norm, refused with a quantized gather.
+    a.offload_step, a.offload_step_budget_mb = None, 256
+    if flag == "--log-params-norm":
+        megatron_wiring.validate_args(a)
+        assert megatron_args.config_from_args(a).chunked_step
+    else:
+        with pytest.raises(OffloadArgumentError, match="--offload-step-budget-mb"):
+            megatron_wiring.validate_args(a)
 
 
 def test_step_budget_flag():
@@ -270,7 +286,7 @@ def test_step_budget_flag():
     assert a.offload_step_budget_mb == 1536 and parse([]).offload_step_budget_mb == 0
     whole = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-step", "whole",
                    "--offload-step-budget-mb", "512"])
-    with pytest.raises(OffloadArgumentError, match="--offload-step whole"):
+    with pytest.raises(OffloadArgumentError, match=r"asks for the whole step \(--offload-step whole\): drop one"):
         megatron_wiring.validate_args(whole)
     negative = parse(["--offload-optimizer-states", "--use-distributed-optimizer", "--offload-step-budget-mb", "-1"])
     with pytest.raises(OffloadArgumentError, match="--offload-step-budget-mb"):
@@ -531,6 +547,8 @@ def test_launcher_help_lists_every_flag_with_its_default():
         assert flag in out.stdout, flag
     assert "usage: torchrun" in out.stdout and "-m megatron_offload SCRIPT.py" in out.stdout
     assert "(default: 512)" in out.stdout  # --offload-chunk-size-mb
+    # Flags whose default is resolved from the others say so in their help, not "(default: None)".
+    assert "(default: None)" not in out.stdout and "1024 with the streamed step" in " ".join(out.stdout.split())
 
 
 def test_turning_on_expandable_segments_warns_nothing_of_ours(monkeypatch):

@@ -74,11 +74,11 @@ def test_cli_runs_each_preset(capsys):
     for name in PRESETS:
         planner.main(["--preset", name])
     out = capsys.readouterr().out
-    assert "plan r1" in out and "chunked step" in out
+    assert "plan r1" in out and "streamed step holding" in out
     r2 = out[out.index("plan r2"):]
-    assert "--offload-chunked-step holding 1.5 GiB during the step: all 6.80 GiB off the peak" in r2
+    assert "--offload-step-budget-mb 1536 (streamed step holding 1.5 GiB during the step): all 6.80 GiB off the peak" in r2
     assert "holding 3 GiB" in r2 and "does not fit" in r2.split("holding 3 GiB")[1].splitlines()[0]
-    assert "--offload-chunked-step" not in out[out.index("plan r1"):out.index("plan r2")]
+    assert "--offload-step-budget-mb" not in out[out.index("plan r1"):out.index("plan r2")]
 
 
 def test_profile_from_timeline_marks():
@@ -254,6 +254,25 @@ def test_the_benchmark_floor_takes_the_busy_iteration_of_the_baseline(capsys):
     assert lead["predicted_ratio_without_lead"] == pytest.approx(plain["predicted_ratio"])
     assert "predicted_ratio_without_lead" not in plain and "predicted_ratio_without_lead" not in other
     assert "the host's lead from the baseline's iteration 8" in capsys.readouterr().out
+
+
+def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used():
+    """A run whose step was chunked and whose copy-out the feeder started in the step (the streamed
+    step, the default engine) is held against the streamed-step floor; a whole step, or a chunked one
+    without the feeder, against the planner's floor for its step."""
+    benchmark = _benchmark()
+    marks = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 81.0, 20 * GiB),
+             ("bwd_begin", 81.0, 20 * GiB), ("bwd_end", 171.0, 0), ("step_begin", 175.0, 0), ("step_end", 205.0, 0)]
+    timeline = {"iteration": 10, "marks": marks, "step_peak_growth": 0}
+    base = {"timeline": timeline, "timelines": [timeline], "busy_timelines": [], "offloaded_gib": [0]}
+    run = lambda budget, pieces: {"offloaded_gib": [8.0], "ratio": 1.2, "kept_gib": [0],  # noqa: E731
+                                  "step_budget_gib": [budget], "feeder_enqueued_pieces": [pieces]}
+    rows = benchmark.compare_with_planner({"baseline": base, "streamed": run(20.0, 128), "chunked": run(20.0, None),
+                                           "whole": run(0.0, 0)}, 55.0)
+    assert rows["streamed"]["engine_floor_ratio"] == rows["streamed"]["predicted_ratio_streamed"]
+    assert rows["streamed"]["predicted_ratio_streamed"] != rows["streamed"]["predicted_ratio"]
+    for name in ("chunked", "whole"):
+        assert rows[name]["engine_floor_ratio"] == rows[name]["predicted_ratio"], name
 
 
 def test_without_busy_times_the_floors_are_the_ones_before_the_lead_was_modelled():
