@@ -73,8 +73,9 @@ def add_flags(parser):
         "copy directions overlapped, the state on the GPU bounded by --offload-step-budget-mb. "
         "'whole': the whole state comes back for one step and leaves with the next forward (the "
         "default under --fp8-param-gather / --fp4-param-gather, which quantize all parameters in "
-        "one operation, and under --log-params-norm, which reads every master right after the "
-        "step, unless --offload-step-budget-mb is given). (megatron-offload)",
+        "one operation, under --log-params-norm, which reads every master right after the step, "
+        "and with --offload-state-fraction auto, whose model is the whole step; unless "
+        "--offload-step-budget-mb is given). (megatron-offload)",
     )
     group.add_argument(
         "--offload-chunked-step",
@@ -184,6 +185,10 @@ def _whole_by_default(args):
         # Why: the norm reads every master right after the step; the streamed step would have to
         # wait there for its whole copy-out (or bring chunks back), the whole step has them resident.
         return "--log-params-norm reads every master right after the step"
+    if getattr(args, "offload_state_fraction", None) == AUTO:
+        # Why: the automatic fraction measures and models the whole step's schedule (auto_fraction.py,
+        # planner.py); on the streamed step it chose fractions that cost more (benchmarks/NOTES.md).
+        return "the automatic fraction models the whole step"
     return None
 
 

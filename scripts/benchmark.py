@@ -99,8 +99,8 @@ VARIANTS = {
     "baseline": [],
     # Every variant without --offload-step runs the plugin's default engine: the streamed step (the
     # copy-out fed as each chunk is stepped). Results recorded before that default ran the whole
-    # step under these names (offload, offload-auto, offload-chunk*, offload-frac*, offload-piece*;
-    # offload-stepbudget* ran the chunked step without the feeder): benchmarks/NOTES.md says which.
+    # step under these names (offload, offload-chunk*, offload-frac*, offload-piece*; offload-stepbudget*
+    # ran the chunked step without the feeder): benchmarks/NOTES.md says which.
     "offload": ["--offload-optimizer-states"],
     # The whole step (the state back for one step, out at the next forward).
     "offload-whole": ["--offload-optimizer-states", "--offload-step", "whole"],
@@ -109,9 +109,9 @@ VARIANTS = {
     "offload-piece32": ["--offload-optimizer-states", "--offload-copy-piece-mb", "32"],
     # Fractional offload at the R1 planner's "free" fraction (python -m megatron_offload.planner).
     "offload-frac47": ["--offload-optimizer-states", "--offload-state-fraction", "0.47"],
-    # Measures iteration 3 of its own run, then offloads what moves for free (auto_fraction.py).
+    # Measures iteration 3 of its own run, then offloads what moves for free (auto_fraction.py); its
+    # default engine is the whole step, which its model describes.
     "offload-auto": ["--offload-optimizer-states", "--offload-state-fraction", "auto"],
-    "offload-auto-whole": ["--offload-optimizer-states", "--offload-state-fraction", "auto", "--offload-step", "whole"],
     # The step piece by piece without the feeder: stepped chunks leave in the step only when a later
     # piece needs their room, the rest at the next forward.
     "offload-chunked": ["--offload-optimizer-states", "--offload-chunked-step", "--offload-copy-out-in-flight-mb", "0"],

@@ -252,27 +252,29 @@ def test_the_streamed_step_is_the_default_engine_and_whole_is_one_flag_away():
 @pytest.mark.parametrize("flag,reason", [
     ("--fp8-param-gather", "--fp8-param-gather quantizes all parameters at once"),
     ("--fp4-param-gather", "--fp4-param-gather quantizes all parameters at once"),
-    ("--log-params-norm", "--log-params-norm reads every master right after the step")])
+    ("--log-params-norm", "--log-params-norm reads every master right after the step"),
+    ("--offload-state-fraction", "the automatic fraction models the whole step")])
 def test_flags_that_read_or_quantize_all_masters_default_to_the_whole_step_and_say_so(flag, reason):
     from megatron_offload import megatron_args
 
     a = argparse.Namespace(**vars(parse(["--offload-optimizer-states", "--use-distributed-optimizer"])))
-    setattr(a, flag[2:].replace("-", "_"), True)
+    setattr(a, flag[2:].replace("-", "_"), "auto" if flag == "--offload-state-fraction" else True)
     megatron_wiring.validate_args(a)
     config = megatron_args.config_from_args(a)
     assert not config.chunked_step and config.copy_out_in_flight_bytes == 0
     assert megatron_args.step_engine_note(a) == f"whole step ({reason})"
     a.offload_step = "streamed"
-    if flag == "--log-params-norm":  # asked for, it runs (the norm brings the state back first)
+    quantized = flag.endswith("-param-gather")
+    if not quantized:  # asked for, it runs (the norm brings the state back first; auto on its own model)
         megatron_wiring.validate_args(a)
         assert megatron_args.config_from_args(a).chunked_step
         assert megatron_args.step_engine_note(a) == "streamed step"
     else:
         with pytest.raises(OffloadArgumentError, match="--offload-step streamed"):
             megatron_wiring.validate_args(a)
-    # A step budget asks for the streamed step: taken under --log-params-norm, refused with a quantized gather.
+    # A step budget asks for the streamed step: taken with the norm or auto, refused with a quantized gather.
     a.offload_step, a.offload_step_budget_mb = None, 256
-    if flag == "--log-params-norm":
+    if not quantized:
         megatron_wiring.validate_args(a)
         assert megatron_args.config_from_args(a).chunked_step
     else:
@@ -596,10 +598,12 @@ def test_flags_become_a_frozen_config_and_the_product_reads_no_diagnostic_variab
                 "MEGATRON_OFFLOAD_BACKWARD_RELOADS"):
         monkeypatch.setenv(var, "1" if var.endswith("WAIT") else "0")
     config = megatron_args.config_from_args(args)
-    # (The flags' default engine is the streamed step; OffloadConfig's own defaults are the whole step.)
-    assert config == OffloadConfig(chunk_bytes=32 * 2**20, auto_fraction_at=megatron_args.AUTO_FRACTION_ITERATION,
-                                   chunked_step=True,
-                                   copy_out_in_flight_bytes=megatron_args.DEFAULT_IN_FLIGHT_MB * 2**20)
+    # (With `auto` the flags' default engine is the whole step, OffloadConfig's own default.)
+    assert config == OffloadConfig(chunk_bytes=32 * 2**20, auto_fraction_at=megatron_args.AUTO_FRACTION_ITERATION)
+    streamed = megatron_args.config_from_args(megatron_args.add_flags(argparse.ArgumentParser()).parse_args(
+        ["--offload-optimizer-states", "--offload-chunk-size-mb", "32"]))
+    assert streamed == OffloadConfig(chunk_bytes=32 * 2**20, chunked_step=True,
+                                     copy_out_in_flight_bytes=megatron_args.DEFAULT_IN_FLIGHT_MB * 2**20)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.chunk_bytes = 1
     monkeypatch.setitem(megatron_args.DIAGNOSTICS, "host_waits_at_free", True)  # what the benchmark sets
