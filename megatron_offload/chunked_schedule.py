@@ -75,8 +75,8 @@ class ChunkedStepSchedule:
             self._own_allocations += off.start_copy_in([chunk])
 
     def _admissible(self, todo, budget: int):
-        """The leading OFFLOADED chunks of `todo` that `_admit` would reload now without freeing
-        anything (outside a step, where nothing stepped can be freed)."""
+        """The leading OFFLOADED chunks of `todo` that fit `budget` beside the resident state, without
+        freeing anything (outside a step nothing stepped can be freed): what `_admit` reloads there."""
         resident, out = self.resident_bytes, []
         for off, chunk in todo:
             if chunk.state is not ChunkState.OFFLOADED:

@@ -287,9 +287,9 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self.config.chunked_step:
             # Only what the step's budget holds; the step loads the rest piece by piece.
             self.it.step_budget = self._step_budget()
-            todo = self._chunks(ChunkState.OFFLOADED)
-            self._room_for_fallback([c for _, c in self._admissible(todo, self.it.step_budget)])
-            self._admit(todo, self.it.step_budget)
+            admitted = self._admissible(self._chunks(ChunkState.OFFLOADED), self.it.step_budget)
+            self._room_for_fallback([c for _, c in admitted])
+            self._admit(admitted, self.it.step_budget)
         else:
             self._room_for_fallback()
             self._reload_up_to(None)

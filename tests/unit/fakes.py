@@ -383,6 +383,17 @@ def assert_bitwise_equal(a, b):
             assert x == y, k
 
 
+def step_beside(ref, opt, coord, step):
+    """One step of the reference and of the offloaded optimizer on the same gradients, the
+    coordinator told that the step is done; their state must then be identical."""
+    make_grads(ref.all_params(), step)
+    ref.step()
+    make_grads(opt.all_params(), step)
+    opt.step()
+    coord.optimizer_step_done()
+    assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+
+
 def storage_bytes(t):
     return t.untyped_storage().nbytes()
 

@@ -17,7 +17,7 @@ from megatron_offload.chunked_step import (
 )
 
 from fakes import (FakeDistOpt, FakePrecisionAwareDistOpt, make_coordinator, assert_bitwise_equal, make_grads, resident_snapshot,
-                   snapshot, storage_bytes)
+                   snapshot, step_beside, storage_bytes)
 
 
 def random_pieces(params, n, seed):
@@ -455,12 +455,7 @@ def test_chunked_step_takes_the_chunks_coming_back_in_the_order_they_arrive():
                 act[0] -= slot
         act[0] = 0
         coord.grads_finalizing()
-        make_grads(ref.all_params(), step)
-        ref.step()
-        make_grads(opt.all_params(), step)
-        opt.step()
-        coord.optimizer_step_done()
-        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+        step_beside(ref, opt, coord, step)
     reversed_arrivals = 0
     for before, order in seen:
         state = {i: st for i, st, _ in before}

@@ -25,6 +25,7 @@ from fakes import (
     make_grads,
     resident_snapshot,
     snapshot,
+    step_beside,
     storage_bytes,
 )
 
@@ -1719,12 +1720,7 @@ def test_checkpoint_access_is_exception_safe(where, monkeypatch, caplog):
     coord.backward_begin()
     coord.grads_finalizing()
     for step in range(2, 4):  # the steps still reload first: training stays bit-exact
-        make_grads(ref.all_params(), step)
-        ref.step()
-        make_grads(opt.all_params(), step)
-        opt.step()
-        coord.optimizer_step_done()
-        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+        step_beside(ref, opt, coord, step)
         coord.forward_begin(True)
         coord.forward_end()
         coord.backward_begin()
