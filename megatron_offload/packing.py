@@ -53,10 +53,20 @@ class Packing:
         # until first fit manages with that count, else chunks of `target`.
         count = max(1, -(-total // target))
         per_chunk = -(-total // count)
+        tried = []
         for size in [per_chunk * (100 + slack) // 100 for slack in range(11)] + [target]:
             layouts = _first_fit(units, max(largest, size))
+            tried.append(layouts)
             if len(layouts) <= count:
                 break
+        if units:
+            # Of the layouts tried with no more chunks than that one, and the tightest (chunks of at
+            # most the largest unit), the one with the fewest GPU bytes: every buffer is padded to the
+            # largest chunk. Whole parameters as units on a small state left a quarter of it as
+            # padding at the balanced sizes (see [Note: small states] in docs/design.md).
+            tried.append(_first_fit(units, largest))
+            layouts = min((lay for lay in tried if len(lay) <= len(layouts)),
+                          key=lambda lay: (len(lay) * slot_bytes(max(nbytes for _, _, nbytes in lay)), len(lay)))
         chunks = [Chunk(i, tensors, offsets, nbytes) for i, (tensors, offsets, nbytes) in enumerate(layouts)]
         # Every GPU buffer gets the size of the largest chunk (host copies stay exact). The caching
         # allocator never merges blocks of different segments: a chunk reloaded into the block
