@@ -19,9 +19,9 @@ AUTO_FRACTION_ITERATION = 3
 # for one step.
 STREAMED, WHOLE = "streamed", "whole"
 STEP_ENGINES = (STREAMED, WHOLE)
-# The streamed step's copy-out in flight by default (MiB): chosen side by side with 256 on R1 (see
-# [Note: copy-out at the next forward] in docs/design.md). What it costs: a read right after the
-# step (the loss) may wait behind this much copy.
+# The streamed step's copy-out in flight by default (MiB): chosen side by side with 256 (see [Note:
+# copy-out at the next forward] in docs/design.md). What it costs: a read right after the step (the
+# loss) may wait behind this much copy.
 DEFAULT_IN_FLIGHT_MB = 1024
 
 # Overrides of OffloadConfig's diagnostic fields (keep_backward_workspace, backward_reloads,
