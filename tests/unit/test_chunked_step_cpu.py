@@ -549,6 +549,32 @@ def test_whole_parameter_units_on_a_small_state_are_packed_with_little_padding(m
     coord.close()
 
 
+@pytest.mark.parametrize("in_flight", [0, 4096], ids=["unfed", "fed"])
+def test_streamed_step_with_a_state_fraction_keeps_the_rest_resident_and_stays_bit_exact(in_flight):
+    """A fixed --offload-state-fraction on the streamed step (the default engine): the kept share stays
+    where it is (never freed, never copied), the parameters it holds are stepped in the last piece,
+    and training stays bit-identical."""
+    from test_offloader_cpu import make_coord
+
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    coord = make_coord(chunk_bytes=2048, chunked_step=True, state_fraction=0.5, copy_out_in_flight_bytes=in_flight)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    kept_at = {st.name: st.tensor.data_ptr() for st in off.kept}
+    for step in range(4):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        chunked_iteration(opt, coord, step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+        assert all(st.tensor.untyped_storage().nbytes() > 0 and st.tensor.data_ptr() == kept_at[st.name]
+                   for st in off.kept)
+    total = coord.state_bytes + off.kept_bytes
+    assert kept_at and 0.3 * total <= coord.state_bytes <= 0.5 * total
+    assert all(float(opt.optimizer.state[p]["step"]) == 4 for p in opt.all_params())
+    assert (coord.feeder is not None and coord.feeder.enqueued_pieces > 0) == bool(in_flight)
+    coord.close()
+
+
 def test_a_save_after_a_chunked_step_reads_the_host_copies_and_training_stays_bit_exact():
     """Issue 4: a checkpoint save must not bring the whole state back. After a chunked step most
     chunks are off the GPU; the save reads them from the host and reloads none."""

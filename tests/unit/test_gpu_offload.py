@@ -216,11 +216,13 @@ def test_fallback_release_in_the_first_iteration_stays_bit_exact(delay_cycles, s
     coord.close()
 
 
-def test_state_fraction_bit_exact_and_only_the_rest_stays_resident():
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_state_fraction_bit_exact_and_only_the_rest_stays_resident(streamed):
     ref_losses, _, ref_digest = reference()
     torch.cuda.empty_cache()
     model, optimizer = build()
-    coord = attach(model, optimizer, state_fraction=0.5)
+    engine = dict(chunked_step=True, copy_out_in_flight_bytes=2**30) if streamed else {}
+    coord = attach(model, optimizer, state_fraction=0.5, **engine)
     kept = {}
 
     def check(step, mb):
