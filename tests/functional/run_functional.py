@@ -13,6 +13,7 @@ scripts/pretrain_gpt_mock.py; --script mock|upstream|PATH chooses. Runs (mock da
   offload_chunked   the streamed step with a 64 MiB step budget: its saves happen with state off
                     the GPU, so they test the bounded save
   resume_offload    offload, resumes the offload run's checkpoint at iters/2
+  resume_whole      offload_whole, resumes the offload_whole run's checkpoint (not by default)
   resume_chunked    offload_chunked, resumes the offload_chunked run's checkpoint (saved with state
                     off the GPU; with --extra=--async-save (plus --use-persistent-ckpt-worker
                     --async-strategy mcore, else megatron-core saves synchronously: checked), by a
@@ -49,7 +50,8 @@ from megatron_runs import (  # noqa: E402
 
 CASES = ("baseline,no_plugin,offload,offload_whole,offload_chunked,resume_offload,resume_plain,plain_to_offload,"
          "crash,resume_after_crash")
-LOADS_FROM = {"resume_offload": "offload", "resume_chunked": "offload_chunked", "resume_plain": "offload",
+LOADS_FROM = {"resume_offload": "offload", "resume_whole": "offload_whole", "resume_chunked": "offload_chunked",
+              "resume_plain": "offload",
               "plain_to_offload": "baseline", "resume_baseline": "baseline", "resume_after_crash": "crash",
               "model_only_plain": "offload", "model_only_offload": "offload"}
 # Iterations left out of the steady-state memory comparison (start-up, first step's packing).
@@ -145,6 +147,7 @@ def compare_runs(runs, printed, iters, nproc):
         if "offload" in runs:
             load_stays_off_the_gpu(name, "offload")
     for name, ref, source in (("resume_offload", "offload", "offload"),
+                              ("resume_whole", "offload_whole", "offload_whole"),
                               ("resume_chunked", "offload_chunked", "offload_chunked"),
                               ("resume_plain", "offload", "offload"),
                               ("plain_to_offload", "baseline", "baseline"),
@@ -158,7 +161,7 @@ def compare_runs(runs, printed, iters, nproc):
             for r in range(nproc):
                 check(f"{name}: rank {r} final params identical",
                       runs[name]["ranks"][r]["params_sha256"] == runs[ref]["ranks"][r]["params_sha256"])
-            fresh_run = "offload_chunked" if name == "resume_chunked" else "offload"
+            fresh_run = {"resume_chunked": "offload_chunked", "resume_whole": "offload_whole"}.get(name, "offload")
             if name not in ("resume_plain", "resume_baseline") and fresh_run in runs:
                 load_stays_off_the_gpu(name, fresh_run)
         if name in runs and name != "resume_baseline" and "resume_baseline" in runs:
@@ -243,6 +246,7 @@ def main(argv=None):
         "offload_chunked": base + save("offload_chunked") + offload + ["--offload-step-budget-mb", "64"],
         "no_plugin": base,
         "resume_offload": base + resume("offload") + offload,
+        "resume_whole": base + resume("offload_whole") + offload + ["--offload-step", "whole", "--log-params-norm"],
         "resume_chunked": base + resume("offload_chunked") + offload + ["--offload-step-budget-mb", "64"],
         "resume_plain": base + resume("offload"),
         "resume_baseline": base + resume("baseline"),
