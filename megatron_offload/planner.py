@@ -379,7 +379,7 @@ def report(profile: Profile, name: str = "") -> str:
         lines.append(f"  the optimizer step itself is (near) the peak: the whole step (--offload-step whole) "
                      f"lets at most {cap / GiB:.2f} GiB come off it (a bounded streamed step is needed for more)")
         for budget_gib in (1.5, 3.0):
-            p = predict(profile, profile.state_bytes, step_budget=budget_gib * GiB)
+            p = predict(profile, profile.state_bytes, step_budget=budget_gib * GiB, streamed=True)
             lines.append(f"  --offload-step-budget-mb {int(budget_gib * 1024)} (streamed step holding {budget_gib:g} "
                          f"GiB during the step): all "
                          f"{profile.state_bytes / GiB:.2f} GiB off the peak in {p.iteration_ms:.0f} ms/iter "

@@ -102,7 +102,7 @@ def problems(args) -> List[str]:
                 f"Use {flag} fp32, bf16 or fp16, or drop {FLAG}."
             )
     streamed = _get(args, "offload_step", None) == "streamed" or (
-        _get(args, "offload_step", None) is None and _get(args, "offload_step_budget_mb", 0))
+        _get(args, "offload_step", None) is None and (_get(args, "offload_step_budget_mb", 0) or 0) > 0)
     if streamed:
         asked = ("--offload-step streamed (or --offload-chunked-step)" if _get(args, "offload_step", None)
                  else "--offload-step-budget-mb (it bounds a streamed step)")

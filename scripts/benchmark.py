@@ -365,11 +365,12 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         streamed = planner.predict(prof, state, streamed=True)
         rows[name]["predicted_ratio_streamed"] = streamed.ratio
         vs_streamed = rows[name]["measured_over_streamed_ms"] = measured_over(r, streamed.iteration_ms)
-        # The floor of the engine the run used: the streamed step's where the step was chunked and its
-        # copy-out fed from the step on (the default engine), else the one above.
+        # The floor of the engine the run used: the streamed step's, held to the run's own budget, where
+        # the step was chunked and its copy-out fed from the step on (the default engine), else the one above.
         fed = budget and any((r.get("feeder_enqueued_pieces") or [0])[:1])
-        rows[name]["engine_floor_ratio"] = streamed.ratio if fed else pred.ratio
-        rows[name]["measured_over_engine_floor_ms"] = vs_streamed if fed else rows[name]["measured_over_predicted_ms"]
+        engine = planner.predict(prof, state, step_budget=budget, streamed=True) if fed else pred
+        rows[name]["engine_floor_ratio"] = engine.ratio
+        rows[name]["measured_over_engine_floor_ms"] = measured_over(r, engine.iteration_ms)
         print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
               f"out during the step{'; the floor of this run' if fed else ''})" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
                                           f"{streamed.iteration_ms:.0f} ms" if vs_streamed else ""))

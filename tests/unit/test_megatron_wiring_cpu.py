@@ -280,6 +280,10 @@ def test_flags_that_read_or_quantize_all_masters_default_to_the_whole_step_and_s
     else:
         with pytest.raises(OffloadArgumentError, match="--offload-step-budget-mb"):
             megatron_wiring.validate_args(a)
+    # A negative budget is an out-of-range value, not a request for the streamed step.
+    a.offload_step_budget_mb = -5
+    with pytest.raises(OffloadArgumentError, match="must be >= 0"):
+        megatron_wiring.validate_args(a)
 
 
 def test_step_budget_flag():

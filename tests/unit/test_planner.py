@@ -268,11 +268,17 @@ def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used():
     run = lambda budget, pieces: {"offloaded_gib": [8.0], "ratio": 1.2, "kept_gib": [0],  # noqa: E731
                                   "step_budget_gib": [budget], "feeder_enqueued_pieces": [pieces]}
     rows = benchmark.compare_with_planner({"baseline": base, "streamed": run(20.0, 128), "chunked": run(20.0, None),
-                                           "whole": run(0.0, 0)}, 55.0)
+                                           "whole": run(0.0, 0), "whole-fed": run(0.0, 128),
+                                           "bounded": run(1.0, 128)}, 55.0)
     assert rows["streamed"]["engine_floor_ratio"] == rows["streamed"]["predicted_ratio_streamed"]
     assert rows["streamed"]["predicted_ratio_streamed"] != rows["streamed"]["predicted_ratio"]
-    for name in ("chunked", "whole"):
+    for name in ("chunked", "whole", "whole-fed"):
         assert rows[name]["engine_floor_ratio"] == rows[name]["predicted_ratio"], name
+    # A budget below the state: the streamed step held to it (dearer than with the whole state as budget).
+    bounded = planner.predict(planner.profile_from_timeline(marks, 8 * GiB, 0, 55.0, 55.0, 110.0), 8 * GiB,
+                              step_budget=GiB, streamed=True)
+    assert rows["bounded"]["engine_floor_ratio"] == pytest.approx(bounded.ratio)
+    assert rows["bounded"]["engine_floor_ratio"] > rows["bounded"]["predicted_ratio_streamed"]
 
 
 def test_without_busy_times_the_floors_are_the_ones_before_the_lead_was_modelled():
