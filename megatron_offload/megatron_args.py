@@ -198,7 +198,7 @@ def step_engine(args) -> str:
     chosen = getattr(args, "offload_step", None)
     if chosen:
         return chosen
-    if (getattr(args, "offload_step_budget_mb", 0) or 0) > 0:
+    if validation.asks_for_streamed_step(args):
         return STREAMED
     return WHOLE if _whole_by_default(args) else STREAMED
 

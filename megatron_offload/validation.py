@@ -34,6 +34,13 @@ MOMENT_DTYPE_FLAGS = (("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype
 QUANTIZED_GATHER_FLAGS = (("--fp8-param-gather", "fp8_param_gather"), ("--fp4-param-gather", "fp4_param_gather"))
 
 
+def asks_for_streamed_step(args) -> bool:
+    """The flags ask for the streamed step: `--offload-step streamed` (or `--offload-chunked-step`),
+    or, with no `--offload-step`, a step budget (it bounds that step)."""
+    chosen = _get(args, "offload_step", None)
+    return chosen == "streamed" or (chosen is None and (_get(args, "offload_step_budget_mb", 0) or 0) > 0)
+
+
 def problems(args) -> List[str]:
     """Every reason `args` cannot run with --offload-optimizer-states (empty list: fine)."""
     if not _get(args, "offload_optimizer_states", False):
@@ -101,9 +108,7 @@ def problems(args) -> List[str]:
                 "tensor subclasses with separate scales that a byte copy would not move exactly. "
                 f"Use {flag} fp32, bf16 or fp16, or drop {FLAG}."
             )
-    streamed = _get(args, "offload_step", None) == "streamed" or (
-        _get(args, "offload_step", None) is None and (_get(args, "offload_step_budget_mb", 0) or 0) > 0)
-    if streamed:
+    if asks_for_streamed_step(args):
         asked = ("--offload-step streamed (or --offload-chunked-step)" if _get(args, "offload_step", None)
                  else "--offload-step-budget-mb (it bounds a streamed step)")
         for flag, name in QUANTIZED_GATHER_FLAGS:
