@@ -247,3 +247,86 @@ def test_a_state_access_after_close_still_copies_out():
     coord.before_state_access(off, will_modify=True)
     coord.after_state_access(off, modified=True)
     assert not any(coord.feeder.pending(c) for c in off.chunks)
+
+
+
+class _Copies:
+    """CPU stand-ins for the D2H stream and its events: a piece stays "in flight" until `finish()`
+    (which finishes every piece enqueued so far), as on a GPU whose copy engine waits."""
+
+    def __init__(self):
+        self.recorded = 0
+        self.finished = 0
+
+    def finish(self):
+        self.finished = self.recorded
+
+    def install(self, feeder):
+        import contextlib
+
+        copies = self
+
+        class Event:
+            def __init__(self):
+                copies.recorded += 1
+                self.index = copies.recorded
+
+            def query(self):
+                return self.index <= copies.finished
+
+        class Stream:
+            def wait_event(self, event):
+                pass
+
+        feeder.streams.record = lambda stream: Event()
+        feeder.streams.on_d2h = lambda: contextlib.nullcontext(Stream())
+
+
+def _settle(feeder, expected, seconds=10.0):
+    """Wait until the thread has enqueued `expected` pieces, then a little longer (it must stop there)."""
+    deadline = time.time() + seconds
+    while feeder.enqueued_pieces < expected and time.time() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)
+    return feeder.enqueued_pieces
+
+
+def test_the_queue_is_shallow_from_the_step_to_the_next_forward():
+    """Deep while the step and the forwards run, shallow where the loop reads the step's results
+    (each read waits behind what is queued: copy_feeder.py's two bounds)."""
+    feeder = CopyOutFeeder(CopyStreams(torch.device("cpu")), in_flight_bytes=5000, reads_in_flight_bytes=1000)
+    copies = _Copies()
+    copies.install(feeder)
+    try:
+        chunks = [Chunk(1000, k + 1) for k in range(20)]  # 1000-byte pieces (Offloader.copy_piece_bytes)
+        feeder.submit(Offloader(), chunks)
+        assert _settle(feeder, 6) == 5  # the deep bound: 5000 bytes queued, none finished
+        feeder.step_done()
+        copies.finish()
+        assert _settle(feeder, 7) == 6  # the shallow bound: one piece in flight, then it waits
+        copies.finish()
+        assert _settle(feeder, 8) == 7
+        feeder.forward_begins()
+        assert _settle(feeder, 12) == 11  # deep again: four more, five in flight
+    finally:
+        copies.finished = 10**9
+    feeder.close()
+    assert feeder.enqueued_pieces == 20 and all(torch.equal(c.host, c.packed) for c in chunks)
+
+
+def test_the_coordinator_switches_the_bound_at_the_step_and_the_forward():
+    opt = FakeDistOpt()
+    coord = make_coord(copy_out_in_flight_bytes=4096, after_step_in_flight_bytes=1024)
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    one_iteration(opt, coord, 0)
+    assert coord.feeder.bound == 1024
+    coord.forward_begin(True)
+    assert coord.feeder.bound == 4096
+    coord.close()
+    # 0: one bound throughout (and a shallow bound above the deep one is the deep one).
+    for after in (0, 8192):
+        coord = make_coord(copy_out_in_flight_bytes=4096, after_step_in_flight_bytes=after)
+        coord.add_optimizer(FakeDistOpt())
+        assert coord.feeder.reads_in_flight_bytes == 4096
+        coord.close()
