@@ -15,8 +15,8 @@ from .chunks import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MARGIN_BYTES = 64 * 2**20
 DEFAULT_HOST_LEAD_LAYERS = 1
-# 0: one bound throughout (copy_feeder.py: the two bounds; see [Note: two in-flight bounds]).
-DEFAULT_AFTER_STEP_IN_FLIGHT_BYTES = 0
+# A read behind this much copy waits about 1-2 ms on PCIe 5 (copy_feeder.py: the two bounds).
+DEFAULT_AFTER_STEP_IN_FLIGHT_BYTES = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)

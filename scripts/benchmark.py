@@ -77,7 +77,6 @@ MODIFIERS = {
     # The copy-out's in-flight bound stays deep after the step too (OffloadConfig.after_step_in_flight_bytes
     # 0: the loop's reads after the step wait behind up to --offload-copy-out-in-flight-mb of copy).
     "deepreads": {"MEGATRON_OFFLOAD_AFTER_STEP_IN_FLIGHT_MB": "0"},
-    **{f"after{n}": {"MEGATRON_OFFLOAD_AFTER_STEP_IN_FLIGHT_MB": str(n)} for n in (64, 128, 256, 512)},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
