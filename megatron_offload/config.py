@@ -15,8 +15,6 @@ from .chunks import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MARGIN_BYTES = 64 * 2**20
 DEFAULT_HOST_LEAD_LAYERS = 1
-# A read behind this much copy waits about 1-2 ms on PCIe 5 (copy_feeder.py: the two bounds).
-DEFAULT_AFTER_STEP_IN_FLIGHT_BYTES = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +36,6 @@ class OffloadConfig:
     # >0 (copy_feeder.py): start the copy-out at the step (each piece, with the chunked step) and let
     # a host thread keep about this many bytes of it queued on the GPU; 0: at the next forward.
     copy_out_in_flight_bytes: int = 0
-    # ... and at most this many from the step's end to the next forward, where the loop reads the
-    # step's results (copy_feeder.py: each read waits behind what is queued); 0: the bound above.
-    after_step_in_flight_bytes: int = DEFAULT_AFTER_STEP_IN_FLIGHT_BYTES
     state_fraction: float = 1.0  # share of the state that leaves the GPU
     auto_fraction_at: Optional[int] = None  # `auto`: the iteration measured to choose the fraction
     chunked_step: bool = False  # step piece by piece, its resident state bounded (the streamed step)

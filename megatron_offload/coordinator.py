@@ -124,7 +124,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self._hook_handles = []
         self._copy_out_due: List[OptimizerStateOffloader] = []  # stepped, copy-out not enqueued yet
         # The copy-out starts at the step, fed by a host thread (copy_feeder.py; the streamed step's default).
-        self.feeder = (CopyOutFeeder(self.streams, config.copy_out_in_flight_bytes, config.after_step_in_flight_bytes)
+        self.feeder = (CopyOutFeeder(self.streams, config.copy_out_in_flight_bytes)
                        if config.copy_out_in_flight_bytes else None)
         self._stepped_since_forward = False  # (with the feeder: the silent no-op check below)
         self._suspended = 0  # >0 inside checkpoint APIs: their dummy steps are not real steps
@@ -170,8 +170,6 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             self._mark("fwd_begin")
         # Any forward (training or evaluation) may need the memory: start the copy-out now.
         self.start_pending_copy_out()
-        if self.feeder is not None:
-            self.feeder.forward_begins()  # (the loop's reads after the step are over)
         self._hide_host_copies()
         if not training:
             # Evaluation forwards need the memory too, but do not count as microbatches.
@@ -377,8 +375,6 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self.auto_fraction_at == self._iterations_done:  # (the calibration iteration, on every rank)
             self._mark("step_end")
             self._choose_fraction()  # (may re-pack: the copy-out below then sends the new chunks)
-        if self.feeder is not None:
-            self.feeder.step_done()  # a shallow queue until the next forward: the loop reads next
         if self.feeder is not None and self._copy_out_due:
             # The feeder lets the host's reads after the step through (copy_feeder.py): start now.
             self.start_pending_copy_out()

@@ -21,13 +21,6 @@ Invariants:
   only once all its bookkeeping is done (a failure half-way enqueues the same copy again later,
   which writes the same bytes). If the thread fails, it says so in the log and the callers enqueue
   everything themselves from then on, eagerly, as without the feeder (slower, never wrong).
-* Two bounds: `in_flight_bytes` while the step and the forwards run, `reads_in_flight_bytes`
-  from the step's end (`step_done`) to the next forward (`forward_begins`). Why two: in the step
-  the host thread is busy launching kernels and gets the GIL only now and then, so a deep queue
-  keeps the copy engine busy (and the step's reloads wait for the room the copy-out makes); after
-  it the training loop reads the step's results (Megatron: the update flag and the grad norm,
-  each an all-reduce and a D2H read), and each read waits behind everything queued: a shallow
-  queue lets them through (see [Note: two in-flight bounds] in docs/design.md).
 * The copy timings (D2H GB/s in the log) span a batch from its first piece to its last, gaps
   where the queue waited for the thread included: they read low with the feeder.
 """
@@ -86,15 +79,11 @@ class _Batch:
 class CopyOutFeeder:
     """Feeds the D2H of submitted chunks to the copy stream, about `in_flight_bytes` queued."""
 
-    def __init__(self, streams, in_flight_bytes: int, reads_in_flight_bytes: int = 0):
-        """reads_in_flight_bytes: the bound between `step_done` and `forward_begins` (0 or more
-        than `in_flight_bytes`: `in_flight_bytes` throughout)."""
+    def __init__(self, streams, in_flight_bytes: int):
         if in_flight_bytes <= 0:
             raise ValueError("in_flight_bytes must be > 0")
         self.streams = streams
         self.in_flight_bytes = int(in_flight_bytes)
-        self.reads_in_flight_bytes = min(int(reads_in_flight_bytes), self.in_flight_bytes) or self.in_flight_bytes
-        self.bound = self.in_flight_bytes  # the thread tops the queue up to this (one of the two)
         self._lock = threading.Condition()
         self._batches: Deque[_Batch] = collections.deque()
         self._pending = set()  # id() of chunks with pieces not enqueued yet
@@ -126,17 +115,6 @@ class CopyOutFeeder:
                 self._thread = threading.Thread(target=self._run, name="megatron-offload-copy-out", daemon=True)
                 self._thread.start()
             self._lock.notify()
-
-    def step_done(self) -> None:
-        """The optimizer step is over; the training loop reads its results next: the shallow bound."""
-        self.bound = self.reads_in_flight_bytes
-
-    def forward_begins(self) -> None:
-        """A forward begins: the deep bound again (the thread is woken to top the queue up)."""
-        if self.bound != self.in_flight_bytes:
-            with self._lock:
-                self.bound = self.in_flight_bytes
-                self._lock.notify()
 
     def pending(self, chunk) -> bool:
         return id(chunk) in self._pending
@@ -229,7 +207,7 @@ class CopyOutFeeder:
                         self._lock.wait()
                     if self._closed and not self._batches:
                         return
-                    if self._queued_bytes() < self.bound:
+                    if self._queued_bytes() < self.in_flight_bytes:
                         self._enqueue_next_piece()
                         continue
                 time.sleep(POLL_SECONDS)

@@ -74,9 +74,6 @@ MODIFIERS = {
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
-    # The copy-out's in-flight bound stays deep after the step too (OffloadConfig.after_step_in_flight_bytes
-    # 0: the loop's reads after the step wait behind up to --offload-copy-out-in-flight-mb of copy).
-    "deepreads": {"MEGATRON_OFFLOAD_AFTER_STEP_IN_FLIGHT_MB": "0"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},

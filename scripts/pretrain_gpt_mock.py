@@ -378,7 +378,6 @@ DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_HOST_WAIT": ("host_waits_at_free", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_HOST_LEAD": ("host_lead_layers", int),
     "MEGATRON_OFFLOAD_FALLBACK_RELEASE": ("release_before_unfitted_reload", lambda v: v != "0"),
-    "MEGATRON_OFFLOAD_AFTER_STEP_IN_FLIGHT_MB": ("after_step_in_flight_bytes", lambda v: int(v) * 2**20),
 }
 
 
