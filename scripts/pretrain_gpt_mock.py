@@ -434,6 +434,7 @@ class Recorder:
         self.state_at = None
         self.startup_peak = None
         self.saves = []
+        self._losses = {}  # iteration index -> the loss as train_step returned it (read at write())
         self._marks = None
         self.timelines = []  # one per marked iteration (MEGATRON_OFFLOAD_TIMELINE_AT)
         self.busy_timelines = []  # the same, the GPU made to lag the host first (MEGATRON_OFFLOAD_BUSY_AT)
@@ -554,10 +555,18 @@ class Recorder:
                 })
                 self._marks = None
             loss = result[0].get("lm loss") if isinstance(result[0], dict) else None
+            if loss is not None:
+                # Read at write(), not here. Why: a read is a D2H copy, and it would wait behind
+                # megatron-offload's copy-out in flight (host stalled, GPU idle), a cost that
+                # Megatron's loop does not pay every iteration (it reads the loss at log intervals).
+                self._losses[len(self.iterations)] = loss.detach() if torch.is_tensor(loss) else loss
             self.iterations.append(
                 {
                     "ms": (time.perf_counter() - start) * 1e3,
-                    "loss": float(loss).hex() if loss is not None else None,
+                    # perf_counter at the start: write() adds each iteration's start-to-start
+                    # "period_ms" (Megatron's own work between train_step calls included).
+                    "start_s": start,
+                    "loss": None,
                     "skipped": int(result[1]),
                     "max_allocated": peaks[0],
                     "max_reserved": peaks[1],
@@ -738,6 +747,10 @@ class Recorder:
 
     def write(self):
         rank = torch.distributed.get_rank()
+        for i, loss in self._losses.items():
+            self.iterations[i]["loss"] = float(loss).hex()
+        for it, following in zip(self.iterations, self.iterations[1:]):
+            it["period_ms"] = (following["start_s"] - it["start_s"]) * 1e3
         if os.environ.get("MEGATRON_OFFLOAD_NO_DIGEST"):
             params_digest = state_digest = None
         else:

@@ -406,3 +406,21 @@ def test_the_benchmark_keeps_every_iteration_and_names_where_reserved_memory_gre
     out = capsys.readouterr().out
     assert ("offload rank 0: peak reserved MiB per iteration [200, 300, 300, 350]; grew at 2: 200->300 "
             "device_allocs=2; 4: 300->350 gc_full=1 device_allocs=1; full collections in [4]") in out
+
+
+def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow():
+    """median_ms is the start-to-start period (Megatron's work between train_step calls, where a
+    read may wait behind the copy-out in flight, included); train_step alone is kept beside it;
+    older records without periods fall back to train_step."""
+    benchmark = _benchmark()
+
+    def it(ms, period=None):
+        return {"ms": ms, "loss": "0x1p+0", "skipped": 0, "max_allocated": 1 << 20, "max_reserved": 1 << 20,
+                **({} if period is None else {"period_ms": period})}
+
+    run = {"ranks": [{"iterations": [it(50.0, 99.0), it(10.0, 30.0), it(10.0, 31.0), it(10.0, 32.0), it(10.0)]}],
+           "seconds": 1.0}
+    r = benchmark.summarize(run, warmup=1)
+    assert r["median_ms"] == 31.0 and r["median_train_step_ms"] == 10.0
+    old = {"ranks": [{"iterations": [it(50.0), it(10.0), it(12.0), it(14.0)]}], "seconds": 1.0}
+    assert benchmark.summarize(old, warmup=1)["median_ms"] == 12.0
