@@ -79,9 +79,7 @@ def add_flags(parser):
     )
     group.add_argument(
         "--offload-chunked-step",
-        dest="offload_step",
-        action="store_const",
-        const=STREAMED,
+        action="store_true",
         help="Same as --offload-step streamed (kept for older command lines). (megatron-offload)",
     )
     group.add_argument(
@@ -160,6 +158,10 @@ def check_values(args) -> None:
         raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
     if args.offload_step_budget_mb < 0:
         raise validation.OffloadArgumentError("--offload-step-budget-mb must be >= 0 (0: automatic)")
+    if getattr(args, "offload_chunked_step", False) and getattr(args, "offload_step", None) == WHOLE:
+        raise validation.OffloadArgumentError(
+            "--offload-chunked-step asks for the streamed step and --offload-step whole for the whole "
+            "step: drop one of them")
     if args.offload_step_budget_mb and step_engine(args) == WHOLE:
         raise validation.OffloadArgumentError(
             "--offload-step-budget-mb bounds the state resident during a streamed step, and this run "
@@ -195,7 +197,7 @@ def _whole_by_default(args):
 def step_engine(args) -> str:
     """--offload-step as given; else the streamed step where a step budget is given (it bounds that
     step) or nothing calls for the whole step (`_whole_by_default`)."""
-    chosen = getattr(args, "offload_step", None)
+    chosen = validation.chosen_step(args)
     if chosen:
         return chosen
     if validation.asks_for_streamed_step(args):
@@ -206,7 +208,7 @@ def step_engine(args) -> str:
 def step_engine_note(args) -> str:
     """How the attach line names the step engine (and why, where the default was not taken)."""
     engine = step_engine(args)
-    if engine == WHOLE and not getattr(args, "offload_step", None):
+    if engine == WHOLE and not validation.chosen_step(args):
         return f"whole step ({_whole_by_default(args)})"
     return f"{engine} step"
 

@@ -6,7 +6,7 @@ Each rejection names the flag that conflicts and says what to do instead.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 FLAG = "--offload-optimizer-states"
 
@@ -34,10 +34,17 @@ MOMENT_DTYPE_FLAGS = (("--exp-avg-dtype", "exp_avg_dtype"), ("--exp-avg-sq-dtype
 QUANTIZED_GATHER_FLAGS = (("--fp8-param-gather", "fp8_param_gather"), ("--fp4-param-gather", "fp4_param_gather"))
 
 
+def chosen_step(args) -> Optional[str]:
+    """The step engine the flags name: `--offload-step`, else "streamed" for its older alias
+    `--offload-chunked-step`, else None (the two naming different engines is refused in
+    megatron_args.check_values)."""
+    return _get(args, "offload_step", None) or ("streamed" if _get(args, "offload_chunked_step", False) else None)
+
+
 def asks_for_streamed_step(args) -> bool:
     """The flags ask for the streamed step: `--offload-step streamed` (or `--offload-chunked-step`),
     or, with no `--offload-step`, a step budget (it bounds that step)."""
-    chosen = _get(args, "offload_step", None)
+    chosen = chosen_step(args)
     return chosen == "streamed" or (chosen is None and (_get(args, "offload_step_budget_mb", 0) or 0) > 0)
 
 
@@ -109,7 +116,7 @@ def problems(args) -> List[str]:
                 f"Use {flag} fp32, bf16 or fp16, or drop {FLAG}."
             )
     if asks_for_streamed_step(args):
-        asked = ("--offload-step streamed (or --offload-chunked-step)" if _get(args, "offload_step", None)
+        asked = ("--offload-step streamed (or --offload-chunked-step)" if chosen_step(args)
                  else "--offload-step-budget-mb (it bounds a streamed step)")
         for flag, name in QUANTIZED_GATHER_FLAGS:
             if _get(args, name, False):

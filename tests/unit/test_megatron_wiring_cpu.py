@@ -247,6 +247,14 @@ def test_the_streamed_step_is_the_default_engine_and_whole_is_one_flag_away():
     assert not fed_whole.chunked_step and fed_whole.copy_out_in_flight_bytes == 256 * 2**20
     with pytest.raises(SystemExit):
         parse(on + ["--offload-step", "chunky"])
+    # The alias beside --offload-step whole, in either order, is refused (not last-wins); beside
+    # --offload-step streamed it says the same thing.
+    for argv in (["--offload-chunked-step", "--offload-step", "whole"], ["--offload-step", "whole", "--offload-chunked-step"]):
+        with pytest.raises(OffloadArgumentError, match="--offload-chunked-step asks for the streamed step"):
+            megatron_wiring.validate_args(parse(on + argv))
+    both = parse(on + ["--offload-step", "streamed", "--offload-chunked-step"])
+    megatron_wiring.validate_args(both)
+    assert megatron_args.config_from_args(both).chunked_step
 
 
 @pytest.mark.parametrize("flag,reason", [
