@@ -559,7 +559,7 @@ class Recorder:
                 # Read at write(), not here. Why: a read is a D2H copy, and it would wait behind
                 # megatron-offload's copy-out in flight (host stalled, GPU idle), a cost that
                 # Megatron's loop does not pay every iteration (it reads the loss at log intervals).
-                self._losses[len(self.iterations)] = loss.detach() if torch.is_tensor(loss) else loss
+                self._losses[len(self.iterations)] = loss.detach().clone() if torch.is_tensor(loss) else loss
             self.iterations.append(
                 {
                     "ms": (time.perf_counter() - start) * 1e3,
