@@ -421,6 +421,8 @@ def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow()
     run = {"ranks": [{"iterations": [it(50.0, 99.0), it(10.0, 30.0), it(10.0, 31.0), it(10.0, 32.0), it(10.0)]}],
            "seconds": 1.0}
     r = benchmark.summarize(run, warmup=1)
-    assert r["median_ms"] == 31.0 and r["median_train_step_ms"] == 10.0
+    assert r["median_ms"] == 31.0 and r["median_train_step_ms"] == 10.0 and r["median_of"] == "start to start"
+    assert r["per_iteration"][0]["period_ms"] == [99.0, 30.0, 31.0, 32.0, None]
     old = {"ranks": [{"iterations": [it(50.0), it(10.0), it(12.0), it(14.0)]}], "seconds": 1.0}
     assert benchmark.summarize(old, warmup=1)["median_ms"] == 12.0
+    assert benchmark.summarize(old, warmup=1)["median_of"] == "train_step"

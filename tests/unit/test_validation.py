@@ -115,3 +115,6 @@ def test_an_explicit_streamed_step_refuses_quantized_param_gather(flag, name):
     assert problems(args(**{name: True})) == []
     assert problems(args(offload_step="whole", **{name: True})) == []
     assert problems(args(offload_step="streamed")) == []
+    # The older alias asks for the streamed step too.
+    found = problems(args(offload_chunked_step=True, **{name: True}))
+    assert len(found) == 1 and flag in found[0] and "--offload-chunked-step" in found[0]
