@@ -389,6 +389,16 @@ def set_diagnostics_from_env():
         megatron_args.DIAGNOSTICS.update(chosen)
 
 
+def finish_iterations(iterations, losses):
+    """At the end of a run: each iteration's loss (`losses`: index -> the loss train_step returned,
+    kept on the GPU until now) as a float's hex, and its start-to-start `period_ms` (none for the
+    last, which has no next start)."""
+    for i, loss in losses.items():
+        iterations[i]["loss"] = float(loss).hex()
+    for it, following in zip(iterations, iterations[1:]):
+        it["period_ms"] = (following["start_s"] - it["start_s"]) * 1e3
+
+
 _SLEEP_CYCLES_PER_MS = []
 
 
@@ -747,10 +757,7 @@ class Recorder:
 
     def write(self):
         rank = torch.distributed.get_rank()
-        for i, loss in self._losses.items():
-            self.iterations[i]["loss"] = float(loss).hex()
-        for it, following in zip(self.iterations, self.iterations[1:]):
-            it["period_ms"] = (following["start_s"] - it["start_s"]) * 1e3
+        finish_iterations(self.iterations, self._losses)
         if os.environ.get("MEGATRON_OFFLOAD_NO_DIGEST"):
             params_digest = state_digest = None
         else:

@@ -314,3 +314,16 @@ def test_save_parts_times_each_part_and_puts_the_originals_back():
         assert current()[0] is not before[0]
     assert current() == before
     assert parts["dist_save_s"] > 0 and parts["schedule_s"] == 0 and parts["forms"] == {}
+
+
+def test_the_recorder_reads_losses_and_periods_at_the_end():
+    """The recorder keeps each loss as train_step returned it and reads it when it writes (a read right
+    after train_step would wait behind the copy-out in flight); periods are start to start."""
+    from pretrain_gpt_mock import finish_iterations
+
+    iterations = [{"start_s": 10.0, "loss": None}, {"start_s": 10.25, "loss": None}, {"start_s": 10.75, "loss": None}]
+    loss = torch.tensor(2.5)
+    finish_iterations(iterations, {0: loss, 2: torch.tensor(0.1)})
+    loss.add_(1.0)  # (the recorder keeps a copy; here the value was read already)
+    assert [it["loss"] for it in iterations] == [(2.5).hex(), None, float(torch.tensor(0.1)).hex()]
+    assert [it.get("period_ms") for it in iterations] == [250.0, 500.0, None]
