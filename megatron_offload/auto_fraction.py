@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -181,6 +181,27 @@ def _settle(free: float, fit: float) -> float:
     """What moves for free, but at least what memory needs; rounded down to 0.01, 1.0 from 0.99."""
     fraction = max(free, fit)
     return 1.0 if fraction >= 0.99 else max(0.01, math.floor(100 * fraction) / 100)
+
+
+def smallest_over_job() -> Optional[Callable[[float], float]]:
+    """Minimum of a number over every rank of the job; None outside torch.distributed.
+
+    Why the whole job, not the data-parallel group: pipeline stages wait for each other's
+    activations and gradients, and tensor/expert-parallel peers for each other's collectives, as
+    data-parallel ranks wait at the gradient reduction. A stage that offloads more than its free
+    share delays the others, whose waits then read as idle time in its own calibration timeline
+    (see [Note: group agreement] in docs/design.md)."""
+    if not torch.distributed.is_initialized():
+        return None
+
+    def smallest(value: float) -> float:
+        # (NCCL reduces CUDA tensors only; the CPU tests run it over gloo.)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+        return float(t.item())
+
+    return smallest
 
 
 def agree(choice: Choice, smallest: Callable[[float], float]) -> Choice:

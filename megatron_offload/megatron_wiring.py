@@ -32,7 +32,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import compat, megatron_args, upstream_fixes, validation
+from . import auto_fraction, compat, megatron_args, upstream_fixes, validation
 from .allocator import configure_allocator
 from .coordinator import OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
@@ -155,7 +155,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         config,
         announce=lambda msg: _print(msg, all_ranks=True),
         expected_forwards_per_iteration=lambda: get_num_microbatches() * len(model_chunks),
-        smallest_in_group=_smallest_in_job() if config.auto_fraction_at else None,
+        smallest_in_group=auto_fraction.smallest_over_job() if config.auto_fraction_at else None,
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
@@ -214,27 +214,6 @@ def _grad_accumulators_to_compute_stream(model_chunks, args) -> Tuple[str, bool]
     except RuntimeError as err:  # (every other node was replaced; the survivors keep their hooks)
         return f"; {err}", True
     return (f", {replaced} DDP gradient accumulators on the compute stream" if replaced else ""), False
-
-
-def _smallest_in_job():
-    """Minimum of a number over every rank of the job; None outside torch.distributed.
-
-    Why the whole job, not the data-parallel group: pipeline stages wait for each other's
-    activations and gradients, and tensor/expert-parallel peers for each other's collectives, as
-    data-parallel ranks wait at the gradient reduction. A stage that offloads more than its free
-    share delays the others, whose waits then read as idle time in its own calibration timeline
-    (see [Note: group agreement] in docs/design.md)."""
-    if not torch.distributed.is_initialized():
-        return None
-
-    def smallest(value: float) -> float:
-        # (NCCL reduces CUDA tensors only; the CPU tests run it over gloo.)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        t = torch.tensor([value], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-        return float(t.item())
-
-    return smallest
 
 
 # ----------------------------------------------------------------------------------------------

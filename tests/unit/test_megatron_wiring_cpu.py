@@ -14,7 +14,7 @@ import torch
 import megatron.training.arguments  # noqa: E402,F401  (a missing or broken megatron fails the suite, never skips it)
 
 import megatron_offload  # noqa: E402
-from megatron_offload import OffloadArgumentError, allocator, megatron_wiring  # noqa: E402
+from megatron_offload import OffloadArgumentError, allocator, auto_fraction, megatron_wiring  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATCH = os.path.join(REPO, "patches", "megatron-core-0.19-training-init.patch")
@@ -651,7 +651,7 @@ def _smallest_on_rank(rank, world, port, values, out):
         # Data-parallel groups of two inside the job, as in PP2 x DP2: the agreement must still span all.
         for ranks in ([0, 1], [2, 3]):
             dist.new_group(ranks)
-        smallest = megatron_wiring._smallest_in_job()
+        smallest = auto_fraction.smallest_over_job()
         out.put((rank, smallest(values[rank])))
     finally:
         dist.destroy_process_group()
@@ -680,7 +680,7 @@ def test_the_automatic_fraction_is_agreed_by_every_rank_of_the_job():
             if p.is_alive():
                 p.terminate()
     assert got == {r: 0.5 for r in range(4)}
-    assert megatron_wiring._smallest_in_job() is None  # (outside torch.distributed)
+    assert auto_fraction.smallest_over_job() is None  # (outside torch.distributed)
 
 
 def test_grad_accumulators_are_recreated_with_one_hook_each():
