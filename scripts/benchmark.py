@@ -181,7 +181,12 @@ def soak_stats(iterations, warmup, window=100):
     slowest = sorted(range(len(timed)), key=lambda i: timed[i]["ms"])[-5:]
     keys = ("ms", "gc_ms", "gc_gen1", "gc_full", "gc_full_collected", "alloc_retries", "device_allocs", "device_frees",
             "max_reserved")
-    return {"iterations": len(timed), "p50_ms": p50, "p99_ms": p99, "p99_over_p50": p99 / p50,
+    # The same over start-to-start periods (stalls between train_step calls included), where recorded.
+    periods = sorted(it["period_ms"] for it in timed if "period_ms" in it)
+    by_period = ({"p50_period_ms": periods[len(periods) // 2],
+                  "p99_period_ms": periods[min(len(periods) - 1, int(round(0.99 * (len(periods) - 1))))]}
+                 if periods else {})
+    return {"iterations": len(timed), "p50_ms": p50, "p99_ms": p99, "p99_over_p50": p99 / p50, **by_period,
             "max_ms": ms[-1], "slowest_iterations": [warmup + i + 1 for i in sorted(slowest)],
             # The slowest iterations with what may explain them (records without a key: None).
             "slowest": [{"iteration": warmup + i + 1, **{k: timed[i].get(k) for k in keys}} for i in sorted(slowest)],

@@ -426,3 +426,7 @@ def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow()
     old = {"ranks": [{"iterations": [it(50.0), it(10.0), it(12.0), it(14.0)]}], "seconds": 1.0}
     assert benchmark.summarize(old, warmup=1)["median_ms"] == 12.0
     assert benchmark.summarize(old, warmup=1)["median_of"] == "train_step"
+    # The soak's percentiles also over periods, where recorded.
+    soak = benchmark.soak_stats([it(10.0, 20.0 + i % 7) for i in range(9)] + [it(10.0)], warmup=0, window=4)
+    assert soak["p50_ms"] == 10.0 and soak["p50_period_ms"] == 22.0 and soak["p99_period_ms"] == 26.0
+    assert "p50_period_ms" not in benchmark.soak_stats([it(10.0)] * 10, warmup=0, window=4)
