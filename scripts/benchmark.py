@@ -568,7 +568,7 @@ def main(argv=None):
         run = launch(name, base + variant_args(variant) + extra_args + stop, opts.nproc, opts.out, env_extra=env)
         results[name] = summarize(run, warmup)
         results[name]["iterations_timed"] = f"{warmup + 1}-{iters}"
-        print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter start to start "
+        print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter {results[name]['median_of']} "
               f"({results[name]['median_train_step_ms']:.1f} in train_step)", flush=True)
         with open(os.path.join(opts.out, "benchmark.json"), "w") as f:  # partial, in case of a time-out
             json.dump({"partial": True, "ceilings": ceilings, "results": results}, f, indent=1)
