@@ -49,6 +49,8 @@ HOOK_POINTS: Tuple[Tuple[str, str, Tuple[str, ...], Tuple[str, ...]], ...] = (
     ("megatron.training.training", "finalize_model_grads", (), ()),
     ("megatron.training.training", "training_log", (), ("iteration",)),
     ("megatron.training.training", "calc_params_l2_norm", (), ()),
+    ("megatron.training.training", "logical_and_across_model_parallel_group", ("input",), ()),
+    ("megatron.training.training", "reduce_max_stat_across_model_parallel_group", ("stat",), ()),
     ("megatron.core.pipeline_parallel.schedules", "forward_step",
      ("forward_step_func", "data_iterator", "model"), ()),
     ("megatron.core.pipeline_parallel.schedules", "backward_step", (), ()),

@@ -12,6 +12,8 @@ validate_args that megatron.training.initialize imports, compat.ALIASES):
                                                           before a resume loads into it
   megatron.training.training.finalize_model_grads     -> fallback reload trigger
   megatron.training.training.training_log             -> transfer statistics each log interval
+  megatron.training.training.logical_and_across_model_parallel_group and
+  ...reduce_max_stat_across_model_parallel_group      -> on the host for a one-rank group (megatron_reads.py)
   megatron.core.pipeline_parallel.schedules.forward_step / backward_step -> iteration pacing
 
 plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading),
@@ -32,7 +34,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import auto_fraction, compat, megatron_args, upstream_fixes, validation
+from . import auto_fraction, compat, megatron_args, megatron_reads, upstream_fixes, validation
 from .allocator import configure_allocator
 from .coordinator import OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
@@ -434,6 +436,7 @@ def install() -> None:
     _patch(training, "finalize_model_grads", _wrap_finalize)
     _patch(training, "training_log", _wrap_training_log)
     _patch(training, "calc_params_l2_norm", _wrap_calc_params_l2_norm)
+    megatron_reads.install(_patch, training, feeding=lambda: _enabled() and coordinator.feeder is not None)
     _patch(schedules, "forward_step", _wrap_forward_step)
     _patch(schedules, "backward_step", _wrap_backward_step)
     upstream_fixes.install(_patch)

@@ -74,6 +74,9 @@ MODIFIERS = {
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
+    # Megatron's own model-parallel reductions after the step (megatron_reads.py off): each reads
+    # the GPU, behind the copy-out in flight.
+    "devreads": {"MEGATRON_OFFLOAD_DEVICE_READS": "1"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},

@@ -387,6 +387,10 @@ def set_diagnostics_from_env():
         from megatron_offload import megatron_args
 
         megatron_args.DIAGNOSTICS.update(chosen)
+    if os.environ.get("MEGATRON_OFFLOAD_DEVICE_READS") == "1":
+        from megatron_offload import megatron_reads
+
+        megatron_reads.ENABLED = False  # Megatron's own reductions after the step (@devreads)
 
 
 def finish_iterations(iterations, losses):
