@@ -7,8 +7,10 @@ host value, an all-reduce and `.item()`. Each `.item()` is a D2H copy, and the G
 runs D2H copies in order: with the copy-out feeder on (copy_feeder.py) it waits behind the copy-out
 queued at that moment, the host stalled and the compute stream idle. With a group of one rank (no
 tensor or pipeline parallelism) the reduction is the value itself, so it is answered on the host,
-to the same bits (Megatron's float32 round trip included); larger groups, device values and runs
-without the feeder keep Megatron's own. See [Note: reads after the step] in docs/design.md.
+to the same bits (Megatron's float32 round trip included); larger groups, device values (a grad
+norm that the clipping returns as a CUDA tensor) and runs without the feeder keep Megatron's own.
+Other reads after the step are not covered (`train` reads `optimizer.get_loss_scale()` each
+iteration). See [Note: reads after the step] in docs/design.md.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ def _on_host_when_alone(on_host: Callable, feeding: Callable[[], bool]):
     `on_host(value)` where `feeding()`, the value is a host number and the group has one rank."""
     def make(original):
         @functools.wraps(original)
-        def wrapper(value, *a, **k):
-            if (ENABLED and feeding() and (value is None or isinstance(value, (bool, int, float)))
-                    and _alone_in(a[0] if a else k.get("group"))):
-                return on_host(value)
-            return original(value, *a, **k)
+        def wrapper(*a, **k):
+            if (a and ENABLED and feeding() and (a[0] is None or isinstance(a[0], (bool, int, float)))
+                    and _alone_in(a[1] if len(a) > 1 else k.get("group"))):
+                return on_host(a[0])
+            return original(*a, **k)
 
         return wrapper
 

@@ -37,7 +37,8 @@ def _megatron_originals():
             ("logical_and_across_model_parallel_group", "reduce_max_stat_across_model_parallel_group")}
 
 
-VALUES = [None, 0.0, 1.0, -1.0, 3.25, 1e-30, 1e39, 12345.678901234, float("inf"), float("nan"), 7, True]
+# (-1.00000001 is -1.0 in float32: Megatron reads None back.)
+VALUES = [None, 0.0, 1.0, -1.0, -1.00000001, 3.25, 1e-30, 1e39, 12345.678901234, float("inf"), float("nan"), 7, True]
 
 
 def _bits(x):
@@ -56,8 +57,8 @@ def test_host_answers_equal_megatrons_own_reduction_over_one_rank(one_rank_group
 def test_the_host_path_is_taken_only_alone_feeding_and_for_host_values(one_rank_group, monkeypatch):
     calls = []
 
-    def original(value, group=None):
-        calls.append(value)
+    def original(stat, group=None):
+        calls.append(stat)
         return "device"
 
     feeding = [True]
@@ -67,11 +68,14 @@ def test_the_host_path_is_taken_only_alone_feeding_and_for_host_values(one_rank_
     feeding[0] = False
     assert wrapped(2.5) == "device"  # (no copy-out in flight to wait behind)
     feeding[0] = True
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    assert wrapped(2.5) == "device"  # (a real reduction)
+    # The group passed (by position or, as megatron-core 0.19 does, by keyword) decides, not the default one.
+    two = object()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2 if group is two else 1)
+    assert wrapped(2.5, group=two) == "device" and wrapped(2.5, two) == "device"  # (a real reduction)
+    assert wrapped(2.5, group=one_rank_group) == 2.5
+    assert wrapped(stat=2.5) == "device"  # (by keyword only: Megatron's own)
     monkeypatch.setattr(megatron_reads, "ENABLED", False)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
-    assert wrapped(2.5) == "device" and len(calls) == 4
+    assert wrapped(2.5) == "device" and len(calls) == 6
 
 
 def test_install_wraps_the_names_train_step_looks_up():
