@@ -9,13 +9,16 @@ queued at that moment, the host stalled and the compute stream idle. With a grou
 tensor or pipeline parallelism) the reduction is the value itself, so it is answered on the host,
 to the same bits (Megatron's float32 round trip included); larger groups, device values (a grad
 norm that the clipping returns as a CUDA tensor) and runs without the feeder keep Megatron's own.
-Other reads after the step are not covered (`train` reads `optimizer.get_loss_scale()` each
-iteration). See [Note: reads after the step] in docs/design.md.
+`train` then reads `optimizer.get_loss_scale().item()` every iteration: where no optimizer has a
+grad scaler (bf16, fp32) that is a constant, read once at attach and handed to `train` as a host
+tensor (every other caller gets Megatron's CUDA tensor). Not covered: fp16's loss scale, and the
+timers' device-wide synchronize at log intervals. See [Note: reads after the step] in docs/design.md.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable
 
 import torch
@@ -65,3 +68,35 @@ def install(patch, training, feeding: Callable[[], bool]) -> None:
     training_log look them up) with `patch(module, name, make_wrapper)` (megatron_wiring._patch)."""
     patch(training, "logical_and_across_model_parallel_group", _on_host_when_alone(logical_and_alone, feeding))
     patch(training, "reduce_max_stat_across_model_parallel_group", _on_host_when_alone(reduce_max_alone, feeding))
+
+
+# The one caller whose read is answered on the host: Megatron's own loop (its code object is looked
+# up by name, so that a wrapper around `train` changes nothing).
+_TRAIN = ("megatron.training.training", "train")
+
+
+def _called_from_train(depth: int = 2) -> bool:
+    frame = sys._getframe(depth)
+    return (frame.f_globals.get("__name__"), frame.f_code.co_name) == _TRAIN
+
+
+def answer_loss_scale_on_host(optimizer, feeding: Callable[[], bool]) -> bool:
+    """Wrap this optimizer instance's `get_loss_scale` so that `train`'s per-iteration read gets a
+    host copy of the value, where the value cannot change: no optimizer in it has a grad scaler
+    (Megatron then returns its constant `_scale_one` / `_scale` tensor). Read once here, before
+    any copy-out is in flight. Every other caller (the loss scaling in the schedules, MoE's aux
+    loss) gets the original CUDA tensor, which it multiplies with CUDA tensors. Whether it wrapped."""
+    inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if any(getattr(o, "grad_scaler", None) is not None for o in inner):
+        return False  # (fp16: the scale moves with skipped steps; Megatron's own read)
+    original = optimizer.get_loss_scale
+    on_host = original().detach().to("cpu")
+
+    @functools.wraps(original)
+    def get_loss_scale():
+        if ENABLED and feeding() and _called_from_train():
+            return on_host
+        return original()
+
+    optimizer.get_loss_scale = get_loss_scale
+    return True

@@ -18,7 +18,8 @@ validate_args that megatron.training.initialize imports, compat.ALIASES):
 
 plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading),
 
-and, per optimizer instance, the top-level `optimizer.step` (to see skipped steps) and each
+and, per optimizer instance, the top-level `optimizer.step` (to see skipped steps) and
+`get_loss_scale` (train's read, megatron_reads.py), and each
 DistributedOptimizer's checkpoint/reload methods (a torch_dist save or load runs on the host
 copies of what is off the GPU; the others get the state back first).
 """
@@ -190,6 +191,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         return result
 
     optimizer.step = step_and_notify
+    megatron_reads.answer_loss_scale_on_host(optimizer, feeding=lambda: _enabled() and coordinator.feeder is not None)
     hooked = coord.watch_model(model_chunks)
     clause, every_rank = _grad_accumulators_to_compute_stream(model_chunks, args)
     _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers, "

@@ -84,3 +84,60 @@ def test_install_wraps_the_names_train_step_looks_up():
     megatron_offload.install()
     for name in ("logical_and_across_model_parallel_group", "reduce_max_stat_across_model_parallel_group"):
         assert getattr(getattr(training, name), "_megatron_offload", False), name
+
+
+class _Optimizer:
+    """Megatron's MixedPrecisionOptimizer / FP32Optimizer as far as `get_loss_scale` goes."""
+
+    def __init__(self, scale=1.0, grad_scaler=None):
+        self.grad_scaler = grad_scaler
+        self._scale_one = torch.tensor([scale], dtype=torch.float32)
+        self.reads = 0
+
+    def get_loss_scale(self):
+        self.reads += 1
+        return self._scale_one
+
+
+def _call_as(module_name, function_name, optimizer):
+    """`optimizer.get_loss_scale()` called from a function `function_name` of module `module_name`."""
+    namespace = {"__name__": module_name}
+    exec(f"def {function_name}(optimizer):\n    return optimizer.get_loss_scale()\n", namespace)
+    return namespace[function_name](optimizer)
+
+
+def test_trains_loss_scale_read_is_answered_on_the_host_only_for_a_constant_scale(monkeypatch):
+    feeding = [True]
+    for scale in (1.0, 0.5, 3.0e-8):
+        opt = _Optimizer(scale)
+        device_bits = opt.get_loss_scale().item()
+        assert megatron_reads.answer_loss_scale_on_host(opt, lambda: feeding[0]) and opt.reads == 2  # (read at attach)
+        from_train = _call_as("megatron.training.training", "train", opt)
+        assert from_train.item() == device_bits and from_train is not opt._scale_one and opt.reads == 2
+        # Anyone else (the schedules' loss scaling multiplies it with CUDA tensors) gets Megatron's tensor.
+        assert _call_as("megatron.core.pipeline_parallel.schedules", "train", opt) is opt._scale_one
+        assert _call_as("megatron.training.training", "training_log", opt) is opt._scale_one
+        assert opt.get_loss_scale() is opt._scale_one and opt.reads == 5
+        feeding[0] = False  # (no copy-out in flight)
+        assert _call_as("megatron.training.training", "train", opt) is opt._scale_one
+        feeding[0] = True
+        monkeypatch.setattr(megatron_reads, "ENABLED", False)
+        assert _call_as("megatron.training.training", "train", opt) is opt._scale_one and opt.reads == 7
+        monkeypatch.setattr(megatron_reads, "ENABLED", True)
+    # A grad scaler (fp16) anywhere in a chained optimizer: the scale may move, Megatron's own read.
+    for opt in (_Optimizer(grad_scaler=object()), _Optimizer()):
+        opt.chained_optimizers = [_Optimizer(), _Optimizer(grad_scaler=object())] if opt.grad_scaler is None else None
+        original = opt.get_loss_scale
+        assert not megatron_reads.answer_loss_scale_on_host(opt, lambda: True) and opt.get_loss_scale == original
+
+
+def test_the_read_answered_on_the_host_is_where_megatron_reads_it():
+    """The host answer is keyed to `train` in megatron.training.training reading the loss scale; a
+    release that moved the read elsewhere would silently lose it."""
+    import inspect
+
+    import megatron.training.training as training
+
+    train = inspect.unwrap(training.train)
+    assert (train.__module__, train.__name__) == megatron_reads._TRAIN
+    assert "optimizer.get_loss_scale().item()" in inspect.getsource(train)
