@@ -74,15 +74,16 @@ MODIFIERS = {
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
-    # Megatron's own model-parallel reductions after the step (megatron_reads.py off): each reads
-    # the GPU, behind the copy-out in flight.
+    # Megatron's own reads after the step (megatron_reads.py off: the model-parallel reductions and
+    # train's loss-scale read): each reads the GPU, behind the copy-out in flight.
     "devreads": {"MEGATRON_OFFLOAD_DEVICE_READS": "1"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
     # No change: a second run of a variant in the same call (offload@again is compared with
-    # baseline@again), to see the run-to-run spread next to the difference being measured.
-    "again": {},
+    # baseline@again, else with the plain baseline; again2 / again3 likewise), to see the run-to-run
+    # spread next to the difference being measured.
+    **{name: {} for name in ("again", "again2", "again3")},
 }
 # Argument modifiers, appended the same way (e.g. offload@release).
 ARG_MODIFIERS = {
