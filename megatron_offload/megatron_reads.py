@@ -11,8 +11,11 @@ to the same bits (Megatron's float32 round trip included); larger groups, device
 norm that the clipping returns as a CUDA tensor) and runs without the feeder keep Megatron's own.
 `train` then reads `optimizer.get_loss_scale().item()` every iteration: where no optimizer has a
 grad scaler (bf16, fp32) that is a constant, read once at attach and handed to `train` as a host
-tensor (every other caller gets Megatron's CUDA tensor). Not covered: fp16's loss scale, and the
-timers' device-wide synchronize at log intervals. See [Note: reads after the step] in docs/design.md.
+tensor (every other caller gets Megatron's CUDA tensor). Megatron's timers (megatron.core.timers)
+call `torch.cuda.synchronize()` in `start`/`stop`, at every log interval for `interval-time`: a
+device-wide wait, for the copy-out too; while the feeder is on they wait for the current stream,
+which runs the work they time. Not covered: fp16's loss scale and the losses `training_log` reads
+at log intervals (device values). See [Note: reads after the step] in docs/design.md.
 """
 
 from __future__ import annotations
@@ -63,11 +66,46 @@ def reduce_max_alone(stat):
     return None if read == -1.0 else read
 
 
+class _CudaForTimers:
+    """`torch.cuda` as megatron.core.timers sees it: `synchronize()` waits for the current stream
+    alone while `feeding()` (the copy-out's stream is not what a timer times, and a device-wide
+    wait would hold the host until the whole copy-out has run), else for the device as before."""
+
+    def __init__(self, cuda, feeding: Callable[[], bool]):
+        self._cuda = cuda
+        self._feeding = feeding
+
+    def __getattr__(self, name):
+        return getattr(self._cuda, name)
+
+    def synchronize(self, device=None):
+        if ENABLED and self._feeding():
+            self._cuda.current_stream(device).synchronize()
+        else:
+            self._cuda.synchronize(device)
+
+
+class TorchForTimers:
+    """The `torch` name of megatron.core.timers: torch itself but for `cuda` (_CudaForTimers)."""
+
+    def __init__(self, torch_module, feeding: Callable[[], bool]):
+        self._torch = torch_module
+        self.cuda = _CudaForTimers(torch_module.cuda, feeding)
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
 def install(patch, training, feeding: Callable[[], bool]) -> None:
     """Wrap both reductions in `training` (megatron.training.training, where train_step and
-    training_log look them up) with `patch(module, name, make_wrapper)` (megatron_wiring._patch)."""
+    training_log look them up) with `patch(module, name, make_wrapper)` (megatron_wiring._patch),
+    and give megatron.core.timers its stream-synchronizing `torch` (TorchForTimers)."""
     patch(training, "logical_and_across_model_parallel_group", _on_host_when_alone(logical_and_alone, feeding))
     patch(training, "reduce_max_stat_across_model_parallel_group", _on_host_when_alone(reduce_max_alone, feeding))
+    from megatron.core import timers
+
+    if not isinstance(timers.torch, TorchForTimers):
+        timers.torch = TorchForTimers(timers.torch, feeding)
 
 
 # The one caller whose read is answered on the host: Megatron's own loop (its code object is looked

@@ -14,6 +14,7 @@ validate_args that megatron.training.initialize imports, compat.ALIASES):
   megatron.training.training.training_log             -> transfer statistics each log interval
   megatron.training.training.logical_and_across_model_parallel_group and
   ...reduce_max_stat_across_model_parallel_group      -> on the host for a one-rank group (megatron_reads.py)
+  megatron.core.timers' `torch` name                   -> synchronize the current stream while feeding (same)
   megatron.core.pipeline_parallel.schedules.forward_step / backward_step -> iteration pacing
 
 plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading),

@@ -88,6 +88,9 @@ MODIFIERS = {
 # Argument modifiers, appended the same way (e.g. offload@release).
 ARG_MODIFIERS = {
     "release": ["--offload-release-cached-memory"],
+    # Megatron's log line (its timers' synchronize, the losses' reads) every iteration instead of
+    # every 5th (megatron_runs.py): what a run logging every step pays behind the copy-out.
+    "log1": ["--log-interval", "1"],
     # Free every chunk at the first layer of the first forward (a margin no budget can leave room
     # for): no activation is ever placed among resident chunks (diagnostic; exposes the D2H).
     "freeall": ["--offload-memory-margin-mb", "1000000"],

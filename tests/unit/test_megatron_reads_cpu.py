@@ -141,3 +141,46 @@ def test_the_read_answered_on_the_host_is_where_megatron_reads_it():
     train = inspect.unwrap(training.train)
     assert (train.__module__, train.__name__) == megatron_reads._TRAIN
     assert "optimizer.get_loss_scale().item()" in inspect.getsource(train)
+
+
+def test_megatrons_timers_wait_for_the_current_stream_only_while_feeding(monkeypatch):
+    """Megatron's Timer.start/stop synchronize the device (at every log interval for `interval-time`),
+    which would wait for the whole copy-out; while the feeder is on they wait for the current stream."""
+    import megatron.core.timers as timers
+
+    megatron_offload.install()
+    assert isinstance(timers.torch, megatron_reads.TorchForTimers)  # (what install() leaves there)
+    calls = []
+
+    class Stream:
+        def synchronize(self):
+            calls.append("stream")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("device"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    feeding = [True]
+    monkeypatch.setattr(timers, "torch", megatron_reads.TorchForTimers(torch, lambda: feeding[0]))
+    timer = timers.Timer("interval-time")
+    timer.start()
+    timer.stop()
+    assert calls == ["stream", "stream"] and timer.elapsed(reset=False) >= 0.0
+    feeding[0] = False
+    timer.start()
+    timer.stop()
+    monkeypatch.setattr(megatron_reads, "ENABLED", False)
+    feeding[0] = True
+    timer.start()
+    assert calls == ["stream", "stream", "device", "device", "device"]
+    # Everything else of torch passes through unchanged.
+    assert timers.torch.float32 is torch.float32 and timers.torch.cuda.is_available is torch.cuda.is_available
+
+
+def test_megatrons_timers_still_synchronize_through_the_torch_name():
+    """The stream-only wait relies on Timer.start/stop calling `torch.cuda.synchronize()` through the
+    module's `torch` name; a release that syncs some other way would silently lose it."""
+    import inspect
+
+    import megatron.core.timers as timers
+
+    for method in (timers.Timer.start, timers.Timer.stop):
+        assert "torch.cuda.synchronize()" in inspect.getsource(method)
