@@ -119,6 +119,18 @@ class CopyOutFeeder:
     def pending(self, chunk) -> bool:
         return id(chunk) in self._pending
 
+    def busy(self) -> bool:
+        """Whether copies it feeds may still wait or run: pieces not enqueued yet, or the last piece
+        the thread enqueued not finished (pieces finish in order: one D2H stream). False without
+        the thread (closed or failed: everything was enqueued eagerly, as without a feeder)."""
+        with self._lock:
+            if self._thread is None or self.error is not None:
+                return False
+            if self._batches:
+                return True
+            last = self._in_flight[-1][0] if self._in_flight else None
+            return last is not None and not last.query()
+
     def flush(self, chunks: Optional[List] = None) -> None:
         """Enqueue now, from this thread, every piece up to the last of `chunks` (all if None)
         that the thread has not enqueued yet; their `ready` events exist afterwards."""

@@ -13,8 +13,8 @@ norm that the clipping returns as a CUDA tensor) and runs without the feeder kee
 grad scaler (bf16, fp32) that is a constant, read once at attach and handed to `train` as a host
 tensor (every other caller gets Megatron's CUDA tensor). Megatron's timers (megatron.core.timers)
 call `torch.cuda.synchronize()` in `start`/`stop`, at every log interval for `interval-time`: a
-device-wide wait, for the copy-out too; while the feeder is on they wait for the current stream,
-which runs the work they time. Not covered: fp16's loss scale and the losses `training_log` reads
+device-wide wait, for the copy-out too; while copies fed by the thread may be queued
+(`CopyOutFeeder.busy`) they wait for the current stream, which runs the work they time. Not covered: fp16's loss scale and the losses `training_log` reads
 at log intervals (device values). See [Note: reads after the step] in docs/design.md.
 """
 
@@ -68,8 +68,9 @@ def reduce_max_alone(stat):
 
 class _CudaForTimers:
     """`torch.cuda` as megatron.core.timers sees it: `synchronize()` waits for the current stream
-    alone while `feeding()` (the copy-out's stream is not what a timer times, and a device-wide
-    wait would hold the host until the whole copy-out has run), else for the device as before."""
+    alone while `feeding()` (fed copies may be queued: the copy-out's stream is not what a timer
+    times, and a device-wide wait would hold the host until all of it has run), else for the
+    device as before."""
 
     def __init__(self, cuda, feeding: Callable[[], bool]):
         self._cuda = cuda
@@ -118,15 +119,22 @@ def _called_from_train(depth: int = 2) -> bool:
     return (frame.f_globals.get("__name__"), frame.f_code.co_name) == _TRAIN
 
 
+def _optimizers_in(optimizer):
+    """`optimizer` and every optimizer chained in it, at any depth."""
+    yield optimizer
+    for inner in getattr(optimizer, "chained_optimizers", None) or []:
+        yield from _optimizers_in(inner)
+
+
 def answer_loss_scale_on_host(optimizer, feeding: Callable[[], bool]) -> bool:
     """Wrap this optimizer instance's `get_loss_scale` so that `train`'s per-iteration read gets a
     host copy of the value, where the value cannot change: no optimizer in it has a grad scaler
-    (Megatron then returns its constant `_scale_one` / `_scale` tensor). Read once here, before
-    any copy-out is in flight. Every other caller (the loss scaling in the schedules, MoE's aux
-    loss) gets the original CUDA tensor, which it multiplies with CUDA tensors. Whether it wrapped."""
-    inner = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-    if any(getattr(o, "grad_scaler", None) is not None for o in inner):
-        return False  # (fp16: the scale moves with skipped steps; Megatron's own read)
+    (Megatron then returns its constant 1.0: `_scale_one` / `_scale`). Read once here, at attach
+    (on a first attach no copy-out is in flight yet). Every other caller (the loss scaling in the
+    schedules, MoE's aux loss) gets the original CUDA tensor, which it multiplies with CUDA
+    tensors. Whether it wrapped."""
+    if any(getattr(o, "grad_scaler", None) is not None for o in _optimizers_in(optimizer)):
+        return False  # (fp16's scale moves with skipped steps, --loss-scale's loads from a checkpoint)
     original = optimizer.get_loss_scale
     on_host = original().detach().to("cpu")
 

@@ -12,17 +12,14 @@ validate_args that megatron.training.initialize imports, compat.ALIASES):
                                                           before a resume loads into it
   megatron.training.training.finalize_model_grads     -> fallback reload trigger
   megatron.training.training.training_log             -> transfer statistics each log interval
-  megatron.training.training.logical_and_across_model_parallel_group and
-  ...reduce_max_stat_across_model_parallel_group      -> on the host for a one-rank group (megatron_reads.py)
-  megatron.core.timers' `torch` name                   -> synchronize the current stream while feeding (same)
+  megatron.training.training.logical_and_across_model_parallel_group, ...reduce_max_stat_..., and
+  megatron.core.timers' `torch` name -> while copies are fed: host answers, stream syncs (megatron_reads.py)
   megatron.core.pipeline_parallel.schedules.forward_step / backward_step -> iteration pacing
 
-plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading),
-
-and, per optimizer instance, the top-level `optimizer.step` (to see skipped steps) and
-`get_loss_scale` (train's read, megatron_reads.py), and each
-DistributedOptimizer's checkpoint/reload methods (a torch_dist save or load runs on the host
-copies of what is off the GPU; the others get the state back first).
+plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading), and, per
+optimizer instance, the top-level `optimizer.step` (to see skipped steps), `get_loss_scale` (train's
+read, megatron_reads.py) and each DistributedOptimizer's checkpoint/reload methods (a torch_dist
+save or load runs on the host copies of what is off the GPU; the others get the state back first).
 """
 
 from __future__ import annotations
@@ -192,7 +189,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
         return result
 
     optimizer.step = step_and_notify
-    megatron_reads.answer_loss_scale_on_host(optimizer, feeding=lambda: _enabled() and coordinator.feeder is not None)
+    megatron_reads.answer_loss_scale_on_host(optimizer, feeding=_feeding)
     hooked = coord.watch_model(model_chunks)
     clause, every_rank = _grad_accumulators_to_compute_stream(model_chunks, args)
     _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers, "
@@ -226,6 +223,11 @@ def _grad_accumulators_to_compute_stream(model_chunks, args) -> Tuple[str, bool]
 # ----------------------------------------------------------------------------------------------
 def _enabled() -> bool:
     return coordinator is not None
+
+
+def _feeding() -> bool:
+    """Whether copy-outs fed by the feeder's thread may be queued (megatron_reads' condition)."""
+    return _enabled() and coordinator.feeder is not None and coordinator.feeder.busy()
 
 
 def _wrap_add_megatron_arguments(original):
@@ -439,7 +441,7 @@ def install() -> None:
     _patch(training, "finalize_model_grads", _wrap_finalize)
     _patch(training, "training_log", _wrap_training_log)
     _patch(training, "calc_params_l2_norm", _wrap_calc_params_l2_norm)
-    megatron_reads.install(_patch, training, feeding=lambda: _enabled() and coordinator.feeder is not None)
+    megatron_reads.install(_patch, training, feeding=_feeding)
     _patch(schedules, "forward_step", _wrap_forward_step)
     _patch(schedules, "backward_step", _wrap_backward_step)
     upstream_fixes.install(_patch)

@@ -247,3 +247,39 @@ def test_a_state_access_after_close_still_copies_out():
     coord.before_state_access(off, will_modify=True)
     coord.after_state_access(off, modified=True)
     assert not any(coord.feeder.pending(c) for c in off.chunks)
+
+
+def test_busy_while_pieces_wait_or_the_last_enqueued_runs():
+    """`busy()` (megatron_reads' condition for answering Megatron's reads on the host): pieces not
+    enqueued yet, or the last one the thread enqueued not finished; never without the thread."""
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+    feeder, release = gated_feeder()
+    try:
+        assert not feeder.busy()  # (nothing submitted, no thread)
+        chunks = [Chunk(2500, 1)]
+        feeder.submit(Offloader(), chunks)
+        assert feeder.busy()  # (three pieces wait for the thread)
+        feeder.flush()
+        assert not feeder.busy()  # (all enqueued, none tracked in flight on CPU)
+        first, last = Event(), Event()
+        feeder._in_flight.extend([(first, 1000), (last, 1000)])
+        first.done = True
+        assert feeder.busy()  # (the last piece still runs)
+        last.done = True
+        assert not feeder.busy()
+        last.done = False
+        feeder.error = RuntimeError("thread failed")
+        assert not feeder.busy()  # (the callers enqueue eagerly: nothing of the thread's to wait for)
+        feeder.error = None
+    finally:
+        release()
+    feeder._in_flight.clear()
+    feeder.close()
+    assert not feeder.busy()

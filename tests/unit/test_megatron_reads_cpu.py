@@ -86,12 +86,22 @@ def test_install_wraps_the_names_train_step_looks_up():
         assert getattr(getattr(training, name), "_megatron_offload", False), name
 
 
+class _DeviceTensor(torch.Tensor):
+    """A CPU tensor standing for a CUDA one: records the devices it is moved to."""
+
+    moved_to = []
+
+    def to(self, *a, **k):
+        _DeviceTensor.moved_to.append(str(a[0] if a else k.get("device")))
+        return torch.Tensor.to(self.as_subclass(torch.Tensor), *a, **k)
+
+
 class _Optimizer:
     """Megatron's MixedPrecisionOptimizer / FP32Optimizer as far as `get_loss_scale` goes."""
 
     def __init__(self, scale=1.0, grad_scaler=None):
         self.grad_scaler = grad_scaler
-        self._scale_one = torch.tensor([scale], dtype=torch.float32)
+        self._scale_one = torch.tensor([scale], dtype=torch.float32).as_subclass(_DeviceTensor)
         self.reads = 0
 
     def get_loss_scale(self):
@@ -111,9 +121,11 @@ def test_trains_loss_scale_read_is_answered_on_the_host_only_for_a_constant_scal
     for scale in (1.0, 0.5, 3.0e-8):
         opt = _Optimizer(scale)
         device_bits = opt.get_loss_scale().item()
+        _DeviceTensor.moved_to.clear()
         assert megatron_reads.answer_loss_scale_on_host(opt, lambda: feeding[0]) and opt.reads == 2  # (read at attach)
         from_train = _call_as("megatron.training.training", "train", opt)
         assert from_train.item() == device_bits and from_train is not opt._scale_one and opt.reads == 2
+        assert _DeviceTensor.moved_to == ["cpu"] and type(from_train) is torch.Tensor  # (a host copy)
         # Anyone else (the schedules' loss scaling multiplies it with CUDA tensors) gets Megatron's tensor.
         assert _call_as("megatron.core.pipeline_parallel.schedules", "train", opt) is opt._scale_one
         assert _call_as("megatron.training.training", "training_log", opt) is opt._scale_one
@@ -124,9 +136,14 @@ def test_trains_loss_scale_read_is_answered_on_the_host_only_for_a_constant_scal
         monkeypatch.setattr(megatron_reads, "ENABLED", False)
         assert _call_as("megatron.training.training", "train", opt) is opt._scale_one and opt.reads == 7
         monkeypatch.setattr(megatron_reads, "ENABLED", True)
-    # A grad scaler (fp16) anywhere in a chained optimizer: the scale may move, Megatron's own read.
-    for opt in (_Optimizer(grad_scaler=object()), _Optimizer()):
-        opt.chained_optimizers = [_Optimizer(), _Optimizer(grad_scaler=object())] if opt.grad_scaler is None else None
+    # A grad scaler (fp16, --loss-scale) anywhere in a chained optimizer, at any depth: Megatron's own read.
+    def chained(*inner):
+        opt = _Optimizer()
+        opt.chained_optimizers = list(inner)
+        return opt
+
+    for opt in (_Optimizer(grad_scaler=object()), chained(_Optimizer(), _Optimizer(grad_scaler=object())),
+                chained(chained(_Optimizer(), _Optimizer(grad_scaler=object())))):
         original = opt.get_loss_scale
         assert not megatron_reads.answer_loss_scale_on_host(opt, lambda: True) and opt.get_loss_scale == original
 
