@@ -8,14 +8,15 @@ runs D2H copies in order: with the copy-out feeder on (copy_feeder.py) it waits 
 queued at that moment, the host stalled and the compute stream idle. With a group of one rank (no
 tensor or pipeline parallelism) the reduction is the value itself, so it is answered on the host,
 to the same bits (Megatron's float32 round trip included); larger groups, device values (a grad
-norm that the clipping returns as a CUDA tensor) and runs without the feeder keep Megatron's own.
-`train` then reads `optimizer.get_loss_scale().item()` every iteration: where no optimizer has a
-grad scaler (bf16, fp32) that is a constant, read once at attach and handed to `train` as a host
-tensor (every other caller gets Megatron's CUDA tensor). Megatron's timers (megatron.core.timers)
-call `torch.cuda.synchronize()` in `start`/`stop`, at every log interval for `interval-time`: a
-device-wide wait, for the copy-out too; while copies fed by the thread may be queued
-(`CopyOutFeeder.busy`) they wait for the current stream, which runs the work they time. Not covered: fp16's loss scale and the losses `training_log` reads
-at log intervals (device values). See [Note: reads after the step] in docs/design.md.
+norm that the clipping returns as a CUDA tensor) and times when no fed copy is queued
+(`CopyOutFeeder.busy`, the `feeding` condition throughout) keep Megatron's own. `train` then reads
+`optimizer.get_loss_scale().item()` every iteration: where no optimizer has a grad scaler (bf16,
+fp32) that is a constant, read once at attach and handed to `train` as a host tensor (every other
+caller gets Megatron's CUDA tensor). Megatron's timers (megatron.core.timers) call
+`torch.cuda.synchronize()` in `start`/`stop`, at every log interval for `interval-time`: a
+device-wide wait, for the copy-out too; while feeding they wait for the current stream, which runs
+the work they time. Not covered: fp16's loss scale and the losses `training_log` reads at log
+intervals (device values). See [Note: reads after the step] in docs/design.md.
 """
 
 from __future__ import annotations
