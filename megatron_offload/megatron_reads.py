@@ -141,7 +141,7 @@ def answer_loss_scale_on_host(optimizer, feeding: Callable[[], bool]) -> bool:
 
     @functools.wraps(original)
     def get_loss_scale():
-        if ENABLED and feeding() and _called_from_train():
+        if ENABLED and _called_from_train() and feeding():  # (the frame first: the lock-free test)
             return on_host
         return original()
 
