@@ -14,7 +14,9 @@ from .allocator import RELEASE_POINTS
 from .chunks import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MARGIN_BYTES = 64 * 2**20
-DEFAULT_HOST_LEAD_LAYERS = 1
+# The host-lead bound where weight gradients are freed through another stream (DDP's AccumulateGrad
+# nodes on the stream they were built under: streams.HostLeadBound); elsewhere none.
+DEFERRED_FREES_HOST_LEAD_LAYERS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +33,9 @@ class OffloadConfig:
     margin_bytes: int = DEFAULT_MARGIN_BYTES  # kept free below the forward's peak when freeing late
     copy_piece_bytes: int = 0  # 0: each chunk's copy in one piece
     # The host runs at most this many layer hooks ahead of the compute stream (0: no bound;
-    # streams.HostLeadBound says why a large lead grows reserved memory).
-    host_lead_layers: int = DEFAULT_HOST_LEAD_LAYERS
+    # streams.HostLeadBound says why a large lead grows reserved memory where gradients are freed
+    # through another stream: DEFERRED_FREES_HOST_LEAD_LAYERS there).
+    host_lead_layers: int = 0
     # >0 (copy_feeder.py): start the copy-out at the step (each piece, with the chunked step) and let
     # a host thread keep about this many bytes of it queued on the GPU; 0: at the next forward.
     copy_out_in_flight_bytes: int = 0

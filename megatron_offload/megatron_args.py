@@ -9,7 +9,7 @@ import dataclasses
 
 from . import validation
 from .chunks import DEFAULT_CHUNK_BYTES
-from .config import DEFAULT_HOST_LEAD_LAYERS, DEFAULT_MARGIN_BYTES, OffloadConfig
+from .config import DEFERRED_FREES_HOST_LEAD_LAYERS, DEFAULT_MARGIN_BYTES, OffloadConfig
 
 # `--offload-state-fraction auto` measures this iteration: the first has start-up costs, the
 # second is the first with the coordinator's memory profile.
@@ -118,12 +118,14 @@ def add_flags(parser):
     group.add_argument(
         "--offload-host-lead-layers",
         type=int,
-        default=DEFAULT_HOST_LEAD_LAYERS,
+        default=None,
         help="Keep the host at most this many layers (layer hooks, the output layer included) "
         "ahead of the GPU during the forward and backward (0: no bound). A host far ahead "
         "allocates before memory freed through another stream is reusable (weight gradients "
-        "under --offload-keep-ddp-grad-stream), and reserved memory grows while the GPU waits "
-        "for the plugin's copies. (megatron-offload)",
+        "while DDP's gradient accumulators stay on their own stream), and reserved memory grows "
+        "while the GPU waits for the plugin's copies. Default: 0 where the plugin re-creates those "
+        f"accumulators on the compute stream, {DEFERRED_FREES_HOST_LEAD_LAYERS} where they stay (FP8, "
+        "--offload-keep-ddp-grad-stream). (megatron-offload)",
     )
     group.add_argument(
         "--offload-keep-ddp-grad-stream",
@@ -170,7 +172,7 @@ def check_values(args) -> None:
         raise validation.OffloadArgumentError("--offload-copy-piece-mb must be >= 0")
     if (args.offload_copy_out_in_flight_mb or 0) < 0:
         raise validation.OffloadArgumentError("--offload-copy-out-in-flight-mb must be >= 0 (0: off)")
-    if args.offload_host_lead_layers < 0:
+    if (args.offload_host_lead_layers or 0) < 0:
         raise validation.OffloadArgumentError("--offload-host-lead-layers must be >= 0 (0: no bound)")
     if args.offload_state_fraction != AUTO and not 0.0 < args.offload_state_fraction <= 1.0:
         raise validation.OffloadArgumentError(
@@ -220,6 +222,26 @@ def copy_out_in_flight_mb(args) -> int:
     return DEFAULT_IN_FLIGHT_MB if step_engine(args) == STREAMED else 0
 
 
+def ddp_grad_stream_kept(args) -> str:
+    """Why DDP's AccumulateGrad nodes stay on the stream get_model built them under ("" where
+    the wiring re-creates them on the compute stream, upstream_fixes)."""
+    if getattr(args, "offload_keep_ddp_grad_stream", False):
+        return "--offload-keep-ddp-grad-stream"
+    # Upstream keeps that stream for TE's FP8 gradient setup (Megatron-LM PR #6021).
+    return "FP8" if getattr(args, "fp8", None) else ""
+
+
+def host_lead_layers(args) -> int:
+    """The host-lead bound (streams.HostLeadBound): the flag's value, else one layer where weight
+    gradients are freed through DDP's stream (what the bound is for), else none: with the nodes on
+    the compute stream the bound kept reserved memory where it was without it and cost step time
+    (side by side in benchmarks/NOTES.md, twenty-eighth session)."""
+    given = getattr(args, "offload_host_lead_layers", None)
+    if given is not None:
+        return given
+    return DEFERRED_FREES_HOST_LEAD_LAYERS if ddp_grad_stream_kept(args) else 0
+
+
 def config_from_args(args) -> OffloadConfig:
     """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
     auto = args.offload_state_fraction == AUTO
@@ -234,7 +256,7 @@ def config_from_args(args) -> OffloadConfig:
         step_budget_bytes=args.offload_step_budget_mb * 2**20,
         release_cache=args.offload_release_cached_memory,
         timing=not args.offload_no_timing,
-        host_lead_layers=args.offload_host_lead_layers,
+        host_lead_layers=host_lead_layers(args),
         # A fully parallel load exchanges what each rank read over NCCL: GPU tensors only.
         host_loads=not getattr(args, "ckpt_fully_parallel_load", False),
         # megatron-core turns --async-save off itself without --use-persistent-ckpt-worker

@@ -191,7 +191,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     optimizer.step = step_and_notify
     megatron_reads.answer_loss_scale_on_host(optimizer, feeding=_feeding)
     hooked = coord.watch_model(model_chunks)
-    clause, every_rank = _grad_accumulators_to_compute_stream(model_chunks, args)
+    clause, every_rank = _grad_accumulators_to_compute_stream(coord, model_chunks, args)
     _print(f"attached to {len(coord.offloaders)} DistributedOptimizer(s), {hooked} pacing layers, "
            f"{megatron_args.step_engine_note(args)}{clause}", all_ranks=every_rank)
     if _allocator_note:
@@ -200,20 +200,20 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     return coord
 
 
-def _grad_accumulators_to_compute_stream(model_chunks, args) -> Tuple[str, bool]:
+def _grad_accumulators_to_compute_stream(coord, model_chunks, args) -> Tuple[str, bool]:
     """Re-create DDP's AccumulateGrad nodes on the compute stream (upstream_fixes); the clause
     the attach line ends with, and whether every rank prints it (nodes this rank could not
-    replace). Upstream keeps DDP's own stream for CUDA graph capture, which is
-    refused with the plugin (validation.py), and for Transformer Engine's FP8 gradient setup
-    (Megatron-LM PR #6021): under FP8 the nodes stay where they are (the host-lead bound
-    covers their deferred frees)."""
-    if getattr(args, "offload_keep_ddp_grad_stream", False):
-        return "; DDP's gradient accumulators left on their own stream", False
-    if getattr(args, "fp8", None):
-        return "; DDP's gradient accumulators left on their own stream under FP8", False
+    replace). Upstream keeps DDP's own stream for CUDA graph capture, refused with the plugin
+    (validation.py), and for TE's FP8 gradient setup (Megatron-LM PR #6021): under FP8 the nodes
+    stay where they are, and the host-lead bound covers their deferred frees."""
+    kept = megatron_args.ddp_grad_stream_kept(args)
+    if kept:
+        return f"; DDP's gradient accumulators left on their own stream ({kept})", False
     try:
         replaced = upstream_fixes.grad_accumulators_on_current_stream(model_chunks)
     except RuntimeError as err:  # (every other node was replaced; the survivors keep their hooks)
+        if getattr(args, "offload_host_lead_layers", None) is None:  # their frees: the bound's case
+            coord.host_lead.depth = megatron_args.DEFERRED_FREES_HOST_LEAD_LAYERS  # (host_lead_layers)
         return f"; {err}", True
     return (f", {replaced} DDP gradient accumulators on the compute stream" if replaced else ""), False
 

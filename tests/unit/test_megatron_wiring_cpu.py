@@ -307,15 +307,25 @@ def test_step_budget_flag():
         megatron_wiring.validate_args(negative)
 
 
-def test_host_lead_flag_defaults_to_the_config_and_refuses_negative_values():
+def test_host_lead_flag_defaults_by_where_ddp_frees_gradients_and_refuses_negative_values():
     from megatron_offload import megatron_args
-    from megatron_offload.config import DEFAULT_HOST_LEAD_LAYERS
+    from megatron_offload.config import DEFERRED_FREES_HOST_LEAD_LAYERS
 
     on = ["--offload-optimizer-states", "--use-distributed-optimizer"]
-    assert megatron_args.config_from_args(parse(on)).host_lead_layers == DEFAULT_HOST_LEAD_LAYERS > 0
-    a = parse(on + ["--offload-host-lead-layers", "0"])
-    megatron_wiring.validate_args(a)
-    assert megatron_args.config_from_args(a).host_lead_layers == 0
+    # DDP's accumulators re-created on the compute stream (the default): no bound.
+    assert megatron_args.config_from_args(parse(on)).host_lead_layers == 0
+    # Left on DDP's stream: its weight gradients' frees are deferred, the bound's case.
+    kept = parse(on + ["--offload-keep-ddp-grad-stream"])
+    assert megatron_args.config_from_args(kept).host_lead_layers == DEFERRED_FREES_HOST_LEAD_LAYERS > 0
+    fp8 = parse(on)
+    fp8.fp8 = "hybrid"
+    assert megatron_args.config_from_args(fp8).host_lead_layers == DEFERRED_FREES_HOST_LEAD_LAYERS
+    # What the user gives wins either way.
+    for given in (["--offload-host-lead-layers", "0"] + ["--offload-keep-ddp-grad-stream"],
+                  ["--offload-host-lead-layers", "3"]):
+        a = parse(on + given)
+        megatron_wiring.validate_args(a)
+        assert megatron_args.config_from_args(a).host_lead_layers == int(given[1])
     with pytest.raises(OffloadArgumentError, match="--offload-host-lead-layers"):
         megatron_wiring.validate_args(parse(on + ["--offload-host-lead-layers", "-1"]))
 
@@ -718,26 +728,40 @@ def test_a_grad_accumulator_held_elsewhere_is_refused():
 
 def test_attach_moves_ddp_grad_accumulators_unless_kept():
     from fakes import HookedLikeMegatronDDP
+    from megatron_offload.config import DEFERRED_FREES_HOST_LEAD_LAYERS
+    from megatron_offload.streams import HostLeadBound
+
+    def coord():  # (the bound of a coordinator built with the flag's default: none)
+        return argparse.Namespace(host_lead=HostLeadBound(None, 0, new_event=object))
 
     ddp = HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
     for node in ddp.grad_accs:
         node.metadata["test_old"] = True
     del node
-    clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
+    c = coord()
+    clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream(c, [ddp], argparse.Namespace())
     assert clause == ", 2 DDP gradient accumulators on the compute stream" and not every_rank
-    assert not any("test_old" in n.metadata for n in ddp.grad_accs)
+    assert not any("test_old" in n.metadata for n in ddp.grad_accs) and c.host_lead.depth == 0
 
     kept = list(ddp.grad_accs)
     clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(
-        [ddp], argparse.Namespace(offload_keep_ddp_grad_stream=True))
-    assert "left on their own stream" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
+        coord(), [ddp], argparse.Namespace(offload_keep_ddp_grad_stream=True))
+    assert "left on their own stream (--offload-keep-ddp-grad-stream)" in clause
+    assert all(a is b for a, b in zip(ddp.grad_accs, kept))
 
-    clause, _ = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace(fp8="hybrid"))
-    assert "under FP8" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
+    clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(coord(), [ddp], argparse.Namespace(fp8="hybrid"))
+    assert "left on their own stream (FP8)" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
 
-    # A node referenced elsewhere: the run goes on and the attach line says so.
-    clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream([ddp], argparse.Namespace())
+    # A node referenced elsewhere: the run goes on, the attach line says so, and the survivors'
+    # deferred frees get the host-lead bound unless the user chose one.
+    chosen = coord()
+    clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(
+        chosen, [ddp], argparse.Namespace(offload_host_lead_layers=0))
+    assert "referenced outside" in clause and chosen.host_lead.depth == 0
+    c = coord()
+    clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream(c, [ddp], argparse.Namespace())
     assert "2 AccumulateGrad node(s)" in clause and "referenced outside" in clause and every_rank
+    assert c.host_lead.depth == DEFERRED_FREES_HOST_LEAD_LAYERS > 0
     del kept
     ddp.module(torch.ones(2, 4)).sum().backward()
     assert len(ddp.calls) == 2  # one hook each, wherever the nodes are
