@@ -553,6 +553,11 @@ def main(argv=None):
             ceilings = json.load(open(path))[-1]
         else:  # the runs matter more than the ceiling: go on without it
             print("copy ceilings could not be measured; the planner assumes 55 GB/s", flush=True)
+    if ceilings is None and opts.nproc > 1 and opts.both_gbps is None:
+        # (the GPUs of one host copying both ways at once get far less than one GPU alone does:
+        # copy_ceilings.py's all_devices figures in benchmarks/NOTES.md)
+        print(f"planner: no copy ceilings measured; the floors assume one GPU's nominal rates, optimistic at "
+              f"{opts.nproc} GPUs (give --gbps / --both-gbps, or replan with a call's ceilings)", flush=True)
     opts.gbps, opts.both_gbps = planner_rates(ceilings, opts.gbps, opts.both_gbps)
     results = {}
     for name in opts.variants.split(","):
