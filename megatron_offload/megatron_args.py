@@ -134,8 +134,8 @@ def add_flags(parser):
         "side stream that get_model builds DDP under. By default (not under FP8) the plugin "
         "re-creates them, with DDP's hooks, on the compute stream, so that each weight gradient is "
         "freed at once instead of at an event of that stream; deferred frees make reserved memory "
-        "grow over the first iterations while the GPU waits for the plugin's copies. "
-        "(megatron-offload)",
+        "grow over the first iterations while the GPU waits for the plugin's copies. Also turns "
+        "the host-lead bound on (--offload-host-lead-layers). (megatron-offload)",
     )
     group.add_argument(
         "--offload-no-timing",
@@ -233,13 +233,19 @@ def ddp_grad_stream_kept(args) -> str:
 
 def host_lead_layers(args) -> int:
     """The host-lead bound (streams.HostLeadBound): the flag's value, else one layer where weight
-    gradients are freed through DDP's stream (what the bound is for), else none: with the nodes on
-    the compute stream the bound kept reserved memory where it was without it and cost step time
-    (side by side in benchmarks/NOTES.md, twenty-eighth session)."""
+    gradients are freed through DDP's stream (what the bound is for), else none. See [Note: host
+    lead] in docs/design.md."""
     given = getattr(args, "offload_host_lead_layers", None)
     if given is not None:
         return given
     return DEFERRED_FREES_HOST_LEAD_LAYERS if ddp_grad_stream_kept(args) else 0
+
+
+def host_lead_for_survivors(args) -> int:
+    """The bound for nodes the re-creation could not replace (their frees stay deferred): one layer,
+    unless the user (or a benchmark's DIAGNOSTICS) chose the bound."""
+    chosen = getattr(args, "offload_host_lead_layers", None) is not None or "host_lead_layers" in DIAGNOSTICS
+    return 0 if chosen else DEFERRED_FREES_HOST_LEAD_LAYERS
 
 
 def config_from_args(args) -> OffloadConfig:

@@ -212,9 +212,8 @@ def _grad_accumulators_to_compute_stream(coord, model_chunks, args) -> Tuple[str
     try:
         replaced = upstream_fixes.grad_accumulators_on_current_stream(model_chunks)
     except RuntimeError as err:  # (every other node was replaced; the survivors keep their hooks)
-        if getattr(args, "offload_host_lead_layers", None) is None:  # their frees: the bound's case
-            coord.host_lead.depth = megatron_args.DEFERRED_FREES_HOST_LEAD_LAYERS  # (host_lead_layers)
-        return f"; {err}", True
+        lead = coord.host_lead.at_least(megatron_args.host_lead_for_survivors(args))  # (their frees)
+        return f"; {err}" + (f"; host-lead bound {lead} layer(s)" if lead else ""), True
     return (f", {replaced} DDP gradient accumulators on the compute stream" if replaced else ""), False
 
 

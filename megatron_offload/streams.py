@@ -158,9 +158,9 @@ class HostLeadBound:
     host happened to be. The plugin's copy waits stall the GPU while the host runs on, which
     makes that lead large. With the bound, a deferred free becomes reusable at most `depth`
     layers after its request. The Megatron wiring re-creates those nodes on the compute stream
-    (upstream_fixes.grad_accumulators_on_current_stream); the bound still covers where it does
-    not (FP8, `--offload-keep-ddp-grad-stream`) and frees deferred through other streams. See
-    [Note: host lead] in docs/design.md.
+    (upstream_fixes.grad_accumulators_on_current_stream); by default the bound is on only where the
+    nodes stay on DDP's stream (FP8, `--offload-keep-ddp-grad-stream`, nodes the re-creation could
+    not replace: megatron_args.host_lead_layers). See [Note: host lead] in docs/design.md.
     Invariant: after `mark()`, at most `depth` recorded points are not known to be complete.
     The points are the coordinator's layer hooks: every pacing module's forward, and the backward
     hooks it registers (while state is packed). Waiting on a point already enqueued adds no
@@ -170,11 +170,18 @@ class HostLeadBound:
 
     def __init__(self, stream, depth: int, new_event: Optional[Callable[[], object]] = None):
         self.stream = stream
-        self.depth = depth if stream is not None or new_event is not None else 0
+        self._can_record = stream is not None or new_event is not None
+        self.depth = depth if self._can_record else 0
         self._new_event = new_event or (lambda: stream.record_event())
         self._points: collections.deque = collections.deque()
         self.waits = 0  # marks that blocked the host, and for how long in all
         self.wait_ms = 0.0
+
+    def at_least(self, depth: int) -> int:
+        """Raise the bound to `depth` (not where nothing can be recorded); the bound now."""
+        if self._can_record:
+            self.depth = max(self.depth, depth)
+        return self.depth
 
     def mark(self) -> None:
         """A pacing point was reached on the host: record it on the stream; block until the

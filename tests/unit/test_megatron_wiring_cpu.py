@@ -726,8 +726,9 @@ def test_a_grad_accumulator_held_elsewhere_is_refused():
     assert sorted(map(id, ddp.calls)) == sorted(map(id, ddp.module.parameters()))
 
 
-def test_attach_moves_ddp_grad_accumulators_unless_kept():
+def test_attach_moves_ddp_grad_accumulators_unless_kept(monkeypatch):
     from fakes import HookedLikeMegatronDDP
+    from megatron_offload import megatron_args
     from megatron_offload.config import DEFERRED_FREES_HOST_LEAD_LAYERS
     from megatron_offload.streams import HostLeadBound
 
@@ -753,15 +754,23 @@ def test_attach_moves_ddp_grad_accumulators_unless_kept():
     assert "left on their own stream (FP8)" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
 
     # A node referenced elsewhere: the run goes on, the attach line says so, and the survivors'
-    # deferred frees get the host-lead bound unless the user chose one.
+    # deferred frees get the host-lead bound unless the user (or a benchmark's override) chose one.
     chosen = coord()
     clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(
         chosen, [ddp], argparse.Namespace(offload_host_lead_layers=0))
-    assert "referenced outside" in clause and chosen.host_lead.depth == 0
+    assert "referenced outside" in clause and chosen.host_lead.depth == 0 and "host-lead bound" not in clause
+    overridden = coord()
+    monkeypatch.setitem(megatron_args.DIAGNOSTICS, "host_lead_layers", 0)
+    megatron_wiring._grad_accumulators_to_compute_stream(overridden, [ddp], argparse.Namespace())
+    assert overridden.host_lead.depth == 0
+    monkeypatch.delitem(megatron_args.DIAGNOSTICS, "host_lead_layers")
     c = coord()
     clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream(c, [ddp], argparse.Namespace())
     assert "2 AccumulateGrad node(s)" in clause and "referenced outside" in clause and every_rank
     assert c.host_lead.depth == DEFERRED_FREES_HOST_LEAD_LAYERS > 0
+    assert clause.endswith(f"; host-lead bound {DEFERRED_FREES_HOST_LEAD_LAYERS} layer(s)")
+    # (A bound that cannot record anything stays off.)
+    assert HostLeadBound(None, 0).at_least(3) == 0
     del kept
     ddp.module(torch.ones(2, 4)).sum().backward()
     assert len(ddp.calls) == 2  # one hook each, wherever the nodes are
