@@ -183,13 +183,14 @@ class HostLeadBound:
             self.depth = max(self.depth, depth)
         return self.depth
 
-    def mark(self) -> None:
+    def mark(self, depth: Optional[int] = None) -> None:
         """A pacing point was reached on the host: record it on the stream; block until the
-        point `depth` marks back has run on the GPU."""
-        if self.depth <= 0:
+        point `depth` marks back (the bound's own unless given) has run on the GPU."""
+        depth = (self.depth if depth is None else depth) if self._can_record else 0
+        if depth <= 0:
             return
         self._points.append(self._new_event())
-        while len(self._points) > self.depth:
+        while len(self._points) > depth:
             oldest = self._points.popleft()
             if not oldest.query():
                 start = time.perf_counter()

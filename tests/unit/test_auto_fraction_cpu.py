@@ -130,6 +130,30 @@ def test_coordinator_measures_the_calibration_iteration_then_repacks_with_the_ch
     assert "auto_fraction:0.50" in coord.events
 
 
+def test_the_calibration_iteration_keeps_the_host_within_one_layer(monkeypatch):
+    # The run's own bound is off (the default where DDP's accumulators are re-created); the marks of
+    # the calibration iteration (the third), and only those, bound the host to one layer.
+    monkeypatch.setattr(auto_fraction, "choose",
+                        lambda timeline, state_bytes, d2h, h2d, room, **kw: auto_fraction.Choice(
+                            0.5, 0.5, 0.0, 1.0, 0.0, d2h, h2d))
+    opt = FakeDistOpt()
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                               expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
+                               memory_room=lambda: 12345.0)
+    coord.add_optimizer(opt)
+    assert coord.host_lead.depth == 0
+    asked = []
+    coord.host_lead.mark = lambda depth=None: asked[-1].append(depth)
+    for step in range(4):
+        asked.append([])
+        _iteration(opt, coord, step)
+    per_iteration = 2 * 2 * 3  # two microbatches, three layers forward and backward
+    assert [len(a) for a in asked] == [per_iteration] * 4
+    assert asked[2] == [auto_fraction.CALIBRATION_HOST_LEAD_LAYERS] * per_iteration
+    assert auto_fraction.CALIBRATION_HOST_LEAD_LAYERS == 1
+    assert set(asked[0] + asked[1] + asked[3]) == {None}  # (the run's own bound)
+
+
 def test_calibration_moves_to_the_next_iteration_after_a_skipped_step(monkeypatch):
     calls = []
     monkeypatch.setattr(auto_fraction, "choose",

@@ -2013,8 +2013,18 @@ def test_the_host_lead_bound_waits_only_for_the_point_depth_marks_back():
     assert gpu["waited_for"] == [0, 3] and bound.waits == 2
     # Without a stream (a CPU device) the bound is off, whatever the depth.
     off = HostLeadBound(None, 2)
-    off.mark(), off.mark(), off.mark()
+    off.mark(), off.mark(), off.mark(depth=1)
     assert off.depth == 0 and off.waits == 0
+    # A bound of 0 records nothing; a mark given its own depth waits as that bound would.
+    gpu.update(done=0, waited_for=[], recorded=0)
+    zero = HostLeadBound(None, 0, new_event=new_event)
+    zero.mark(), zero.mark()
+    assert gpu["recorded"] == 0
+    zero.mark(depth=1), zero.mark(depth=1)
+    assert gpu["waited_for"] == [0] and zero.waits == 1 and zero.depth == 0
+    four = HostLeadBound(None, 4, new_event=new_event)  # (tighter for one mark than its own)
+    four.mark(), four.mark(depth=1)
+    assert gpu["waited_for"] == [0, 2] and four.waits == 1
 
 
 def test_the_coordinator_marks_the_host_lead_at_every_layer_hook(monkeypatch):
@@ -2024,7 +2034,7 @@ def test_the_coordinator_marks_the_host_lead_at_every_layer_hook(monkeypatch):
     coord = make_coord()
     coord.add_optimizer(opt)
     marks = []
-    coord.host_lead.mark = lambda: marks.append(coord.it.state)
+    coord.host_lead.mark = lambda depth=None: marks.append(coord.it.state)
     one_iteration(opt, coord, 0)
     one_iteration(opt, coord, 1)
     # Every forward and backward layer hook of both microbatches of both iterations.
