@@ -41,8 +41,7 @@ MEMORY_SAFETY_BYTES = 2 * 2**30
 # The host-lead bound (streams.HostLeadBound) in a calibration iteration, whatever the run's: with the
 # host at most one layer ahead, the phases after a copy stall run at the host's pace as without
 # offloading, instead of the GPU's own while it catches up with a host that ran ahead: the planner's
-# profile (no busy marks in-run) takes every phase as the baseline would run it. (Every automatic
-# fraction measured before the run's own bound went off by default ran with it.)
+# profile (no busy marks in-run) takes every phase as the baseline would run it.
 CALIBRATION_HOST_LEAD_LAYERS = 1
 
 

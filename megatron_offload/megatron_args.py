@@ -125,7 +125,8 @@ def add_flags(parser):
         "while DDP's gradient accumulators stay on their own stream), and reserved memory grows "
         "while the GPU waits for the plugin's copies. Default: 0 where the plugin re-creates those "
         f"accumulators on the compute stream, {DEFERRED_FREES_HOST_LEAD_LAYERS} where they stay (FP8, "
-        "--offload-keep-ddp-grad-stream). (megatron-offload)",
+        "--offload-keep-ddp-grad-stream). The calibration iterations of --offload-state-fraction auto "
+        "keep one layer whatever N. (megatron-offload)",
     )
     group.add_argument(
         "--offload-keep-ddp-grad-stream",

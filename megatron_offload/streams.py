@@ -161,7 +161,8 @@ class HostLeadBound:
     (upstream_fixes.grad_accumulators_on_current_stream); by default the bound is on only where the
     nodes stay on DDP's stream (FP8, `--offload-keep-ddp-grad-stream`, nodes the re-creation could
     not replace: megatron_args.host_lead_layers). See [Note: host lead] in docs/design.md.
-    Invariant: after `mark()`, at most `depth` recorded points are not known to be complete.
+    Invariant: after `mark(d)`, at most `d` recorded points are not known to be complete (`d`:
+    the bound's own depth unless the mark gives one; none kept where it is 0).
     The points are the coordinator's layer hooks: every pacing module's forward, and the backward
     hooks it registers (while state is packed). Waiting on a point already enqueued adds no
     dependency the GPU did not have, so it cannot deadlock on GPU work; a collective that blocks
@@ -188,6 +189,7 @@ class HostLeadBound:
         point `depth` marks back (the bound's own unless given) has run on the GPU."""
         depth = (self.depth if depth is None else depth) if self._can_record else 0
         if depth <= 0:
+            self._points.clear()  # (left by a mark with a depth of its own)
             return
         self._points.append(self._new_event())
         while len(self._points) > depth:

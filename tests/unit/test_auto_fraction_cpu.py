@@ -136,22 +136,33 @@ def test_the_calibration_iteration_keeps_the_host_within_one_layer(monkeypatch):
     monkeypatch.setattr(auto_fraction, "choose",
                         lambda timeline, state_bytes, d2h, h2d, room, **kw: auto_fraction.Choice(
                             0.5, 0.5, 0.0, 1.0, 0.0, d2h, h2d))
-    opt = FakeDistOpt()
-    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
-                               expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
-                               memory_room=lambda: 12345.0)
-    coord.add_optimizer(opt)
-    assert coord.host_lead.depth == 0
-    asked = []
-    coord.host_lead.mark = lambda depth=None: asked[-1].append(depth)
-    for step in range(4):
-        asked.append([])
-        _iteration(opt, coord, step)
-    per_iteration = 2 * 2 * 3  # two microbatches, three layers forward and backward
-    assert [len(a) for a in asked] == [per_iteration] * 4
-    assert asked[2] == [auto_fraction.CALIBRATION_HOST_LEAD_LAYERS] * per_iteration
+    from megatron_offload.streams import HostLeadBound
+
+    class NeverDone:  # a point the GPU has not reached: every pop of one is a host wait
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    per_iteration = 2 * 2 * 3  # marks: two microbatches, three layers, forward and backward
+    for run_depth, waits in ((0, [0, 0, per_iteration - 1, 0]),
+                             # (depth 4: four points kept, then one wait per mark; the calibration's
+                             # first mark pops down to one point: four waits, then one per mark)
+                             (4, [per_iteration - 4, per_iteration, 4 + per_iteration - 1, per_iteration - 3])):
+        opt = FakeDistOpt()
+        coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
+                                   expected_forwards_per_iteration=lambda: 2, auto_fraction_at=3,
+                                   memory_room=lambda: 12345.0)
+        coord.add_optimizer(opt)
+        coord.host_lead = HostLeadBound(None, run_depth, new_event=NeverDone)
+        seen = []
+        for step in range(4):
+            before = coord.host_lead.waits
+            _iteration(opt, coord, step)
+            seen.append(coord.host_lead.waits - before)
+        assert seen == waits, run_depth
     assert auto_fraction.CALIBRATION_HOST_LEAD_LAYERS == 1
-    assert set(asked[0] + asked[1] + asked[3]) == {None}  # (the run's own bound)
 
 
 def test_calibration_moves_to_the_next_iteration_after_a_skipped_step(monkeypatch):
@@ -163,11 +174,16 @@ def test_calibration_moves_to_the_next_iteration_after_a_skipped_step(monkeypatc
                                expected_forwards_per_iteration=lambda: 1, auto_fraction_at=2,
                                memory_room=lambda: math.inf)
     coord.add_optimizer(opt)
-    _iteration(opt, coord, 0, microbatches=1)  # creates the state
-    _iteration(opt, coord, 1, microbatches=1, skip=True)  # nothing to measure a step by
-    assert not calls and coord.auto_fraction_at == 3
-    _iteration(opt, coord, 2, microbatches=1)
+    depths = []
+    coord.host_lead.mark = lambda depth=None: depths[-1].add(depth)
+    for step, skip in ((0, False), (1, True), (2, False), (3, False)):
+        depths.append(set())
+        _iteration(opt, coord, step, microbatches=1, skip=skip)  # (0 creates the state; 1 has nothing to measure)
+        if step == 1:
+            assert not calls and coord.auto_fraction_at == 3
     assert calls == [1] and coord.auto_choice.fraction == 1.0 and coord.auto_fraction_at is None
+    # Both the skipped calibration iteration and its retry keep the host within one layer.
+    assert depths == [{None}, {1}, {1}, {None}]
 
 
 def test_repack_releases_the_replaced_chunk_buffers_even_if_something_still_refers_to_them(monkeypatch):
