@@ -24,6 +24,11 @@ class Calibration:
             return bool(flag)
         return -self._smallest_in_group(-float(flag)) > 0
 
+    def _host_lead_depth(self):
+        """The host-lead bound for a layer hook: one layer while a calibration is recorded
+        (auto_fraction.CALIBRATION_HOST_LEAD_LAYERS says why), else the run's own (None)."""
+        return auto_fraction.CALIBRATION_HOST_LEAD_LAYERS if self._recorder is not None else None
+
     def _mark(self, label: str) -> None:
         if self._recorder is not None:
             self._recorder.mark(label, self._activation_bytes())

@@ -214,7 +214,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         # autograd] in docs/design.md).
         if self.it.forwards == 0 or in_backward():
             return
-        self.host_lead.mark(auto_fraction.CALIBRATION_HOST_LEAD_LAYERS if self._recorder is not None else None)
+        self.host_lead.mark(self._host_lead_depth())
         h = self.it.position
         self.it.position += 1
         self._pace_layer(h)
@@ -274,7 +274,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         activations that could have taken their memory are released), latest freed first, while
         allocated memory stays under the reload ceiling and a free block takes each chunk
         (`_reload_up_to`); `grads_finalizing` reloads whatever is left."""
-        self.host_lead.mark(auto_fraction.CALIBRATION_HOST_LEAD_LAYERS if self._recorder is not None else None)
+        self.host_lead.mark(self._host_lead_depth())
         self._sample_workspace()
         if self.it.state is IterationState.RELOAD_WINDOW and self.bytes_in(ChunkState.OFFLOADED):
             self._reload_up_to(self._reload_ceiling(), position=position)
