@@ -69,6 +69,13 @@ SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null' EXIT
 # An allocator history (MEGATRON_OFFLOAD_MEMHIST) read with scripts/alloc_trace.py into $2.
 read_memhist() { python3 scripts/alloc_trace.py "$1" --peaks --holes --layout-growths 3 > "$2" 2>&1 || true; }
+# Every run folder's histories under $1, read beside each one (alloc_rank<R>.txt, in logs.tgz).
+read_memhists() {
+  for f in "$1"/*/memhist_rank*.npz; do
+    [ -e "$f" ] || continue
+    read_memhist "$f" "$(dirname "$f")/alloc_$(basename "$f" .npz | sed 's/memhist_//').txt"
+  done
+}
 status=0
 for stage in $STAGES; do
   case $stage in
@@ -95,11 +102,7 @@ for stage in $STAGES; do
             2>&1 | tee -a "$OUT/$name.log"
         fi
         cp "$WORK/$name/functional_summary.json" "$OUT/$summary" 2>/dev/null
-        # Allocator histories (MEGATRON_OFFLOAD_MEMHIST): read here, beside each one (in logs.tgz).
-        for f in "$WORK/$name"/*/memhist_rank*.npz; do
-          [ -e "$f" ] || continue
-          read_memhist "$f" "$(dirname "$f")/alloc_$(basename "$f" .npz | sed 's/memhist_//').txt"
-        done
+        read_memhists "$WORK/$name"  # (MEGATRON_OFFLOAD_MEMHIST)
       done ;;
     matrix)
       rm -f "$WORK/matrix/matrix_summary.json"  # (rewritten after every case: a cut matrix keeps what finished)
@@ -114,7 +117,8 @@ for stage in $STAGES; do
         python3 tests/functional/run_matrix.py --out "$WORK/matrix" --gpus "$NPROC" ${MATRIX_ARGS:-} --from-records \
           2>&1 | tee -a "$OUT/matrix.log"
       fi
-      cp "$WORK/matrix/matrix_summary.json" "$OUT/" 2>/dev/null ;;
+      cp "$WORK/matrix/matrix_summary.json" "$OUT/" 2>/dev/null
+      read_memhists "$WORK/matrix" ;;  # (MEGATRON_OFFLOAD_MEMHIST)
     bench)
       rm -f "$WORK/bench/benchmark.json"
       within_budget python3 scripts/benchmark.py --preset "${BENCH:-r1}" --nproc "$NPROC" --out "$WORK/bench" \
