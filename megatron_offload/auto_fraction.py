@@ -38,11 +38,6 @@ from .streams import timed_event
 BOTH_DIRECTIONS_SHARE = 0.68
 # Left free on the device beyond the predicted peak when memory bounds the fraction.
 MEMORY_SAFETY_BYTES = 2 * 2**30
-# The host-lead bound (streams.HostLeadBound) in a calibration iteration, whatever the run's: with the
-# host at most one layer ahead, the phases after a copy stall run at the host's pace as without
-# offloading, instead of the GPU's own while it catches up with a host that ran ahead: the planner's
-# profile (no busy marks in-run) takes every phase as the baseline would run it.
-CALIBRATION_HOST_LEAD_LAYERS = 1
 
 
 @dataclasses.dataclass

@@ -25,9 +25,9 @@ class Calibration:
         return -self._smallest_in_group(-float(flag)) > 0
 
     def _host_lead_depth(self):
-        """The host-lead bound for a layer hook: one layer while a calibration is recorded
-        (auto_fraction.CALIBRATION_HOST_LEAD_LAYERS says why), else the run's own (None)."""
-        return auto_fraction.CALIBRATION_HOST_LEAD_LAYERS if self._recorder is not None else None
+        """The host-lead bound for a layer hook: the calibration's while one is recorded
+        (config.CALIBRATION_HOST_LEAD_LAYERS says why), else the run's own (None)."""
+        return self.config.calibration_host_lead_layers if self._recorder is not None else None
 
     def _mark(self, label: str) -> None:
         if self._recorder is not None:
@@ -61,6 +61,10 @@ class Calibration:
             # The second calibration keeps the first one's memory bound (`refine`): no room needed.
             room = self._memory_room() if first is None else math.inf
             choice = auto_fraction.choose(timeline, total, d2h, h2d, room, stalls_ms=stalls_ms)
+            # Kept for a replay of the choice against another profile (the benchmark's planner).
+            self.calibrations.append({"iteration": self._iterations_done, "marks": timeline, "stalls_ms": stalls_ms,
+                                      "state_bytes": total, "free_fraction": choice.free_fraction,
+                                      "free_upper": choice.free_upper})
             if first is not None:
                 choice = auto_fraction.refine(first, choice)
         if self._smallest_in_group is not None:

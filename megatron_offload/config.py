@@ -17,6 +17,14 @@ DEFAULT_MARGIN_BYTES = 64 * 2**20
 # The host-lead bound where weight gradients are freed through another stream (DDP's AccumulateGrad
 # nodes on the stream they were built under: streams.HostLeadBound); elsewhere none.
 DEFERRED_FREES_HOST_LEAD_LAYERS = 1
+# The host-lead bound in the automatic fraction's calibration iterations, whatever the run's (the
+# default of OffloadConfig.calibration_host_lead_layers). Why: with the host at most one layer ahead,
+# the phases after a copy stall run at the host's pace as without offloading, instead of the GPU's
+# own while it catches up with a host that ran ahead: the planner's profile (no busy marks in-run)
+# takes every phase as the baseline would run it. What it may cost: the bound's own waits can leave
+# the GPU idle between layers, lengthening the phases the calibration measures beyond those of a
+# run without the bound. See [Note: calibration host lead] in docs/design.md.
+CALIBRATION_HOST_LEAD_LAYERS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +45,7 @@ class OffloadConfig:
     # through another stream). 0 assumes they are not: a loop whose DDP built its AccumulateGrad
     # nodes on a side stream re-creates them (upstream_fixes.grad_accumulators_on_current_stream)
     # or sets DEFERRED_FREES_HOST_LEAD_LAYERS. (The automatic fraction's calibration iterations keep
-    # auto_fraction.CALIBRATION_HOST_LEAD_LAYERS whatever this is.)
+    # calibration_host_lead_layers whatever this is.)
     host_lead_layers: int = 0
     # >0 (copy_feeder.py): start the copy-out at the step (each piece, with the chunked step) and let
     # a host thread keep about this many bytes of it queued on the GPU; 0: at the next forward.
@@ -65,6 +73,8 @@ class OffloadConfig:
     # The fallback reload first hands mapped free memory back when the chunks fit no free block
     # (MemoryPolicy._room_for_fallback).
     release_before_unfitted_reload: bool = True
+    # The host-lead bound of the automatic fraction's calibration iterations (None: the run's own).
+    calibration_host_lead_layers: Optional[int] = CALIBRATION_HOST_LEAD_LAYERS
 
     def __post_init__(self):
         object.__setattr__(self, "release_at", frozenset(self.release_at))
@@ -74,7 +84,8 @@ class OffloadConfig:
         if not 0.0 <= self.state_fraction <= 1.0:
             raise ValueError(f"state_fraction must be within [0, 1], got {self.state_fraction}")
         if (self.chunk_bytes <= 0 or self.margin_bytes < 0 or self.copy_piece_bytes < 0 or self.step_budget_bytes < 0
-                or self.copy_out_in_flight_bytes < 0 or self.host_lead_layers < 0):
+                or self.copy_out_in_flight_bytes < 0 or self.host_lead_layers < 0
+                or (self.calibration_host_lead_layers or 0) < 0):
             raise ValueError(f"sizes must be positive (chunk) or non-negative: {self}")
 
 

@@ -112,6 +112,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self.step_budget_bytes = config.step_budget_bytes
         self.auto_choice: Optional[auto_fraction.Choice] = None
         self._recorder: Optional[auto_fraction.PhaseRecorder] = None
+        self.calibrations: List[dict] = []  # each calibration's timeline and choice (diagnostics)
 
         self.offloaders: List[OptimizerStateOffloader] = []
         self.closed = False  # set by close(): the lifecycle methods are inert from then on

@@ -74,6 +74,9 @@ MODIFIERS = {
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
+    # The automatic fraction's calibration under the run's own host-lead bound instead of one layer
+    # (config.CALIBRATION_HOST_LEAD_LAYERS).
+    "calrun": {"MEGATRON_OFFLOAD_CAL_HOST_LEAD": "run"},
     # Megatron's own reads after the step (megatron_reads.py off: the model-parallel reductions and
     # train's loss-scale read): each reads the GPU, behind the copy-out in flight.
     "devreads": {"MEGATRON_OFFLOAD_DEVICE_READS": "1"},
@@ -253,6 +256,7 @@ def summarize(run, warmup):
         "host_lead_wait_ms": [r.get("host_lead_wait_ms") for r in ranks],
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
+        "auto_calibrations": ranks[0].get("auto_calibrations") or [],  # (rank 0's, as the planner's timeline)
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
         # Copy-out pieces the feeder enqueued (copy_feeder.py): > 0 where the copy-out started in the step.
         "feeder_enqueued_pieces": [r.get("feeder_enqueued_pieces") for r in ranks],
@@ -417,7 +421,49 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
                   f"reserved saved {saved / planner.GiB:.2f} GiB = {saved / free if free else float('nan'):.0%} of it "
                   f"(per rank: {' / '.join(f'{x:.0%}' if x is not None else '-' for x in per_rank)}); "
                   f"chosen in-run: {[a and round(a['fraction'], 2) for a in r.get('auto_fraction') or []]}")
+            for cal in r.get("auto_calibrations") or []:
+                print(f"planner {name}: " + replay_calibration(cal, marks, gbps, both_gbps or 2 * gbps))
     return rows
+
+
+def phase_ms(marks):
+    """[(phase, ms)] of the begin/end pairs of a timeline's marks ("fwd", "bwd", "step"), in order."""
+    return [(label[:-len("_begin")], t2 - t) for (label, t, _), (label2, t2, _) in zip(marks, marks[1:])
+            if label.endswith("_begin") and label2 == label[:-len("_begin")] + "_end"]
+
+
+def replay_calibration(cal, base_marks, gbps, both_gbps):
+    """One in-run calibration of the automatic fraction (rank 0's record) against the baseline: the
+    free share the planner finds on the calibration's own marks at this call's copy rates (first
+    forward trimmed as in-run, and untrimmed) beside the in-run figures and the baseline's, and the
+    phases of both in ms. Where the replay matches the in-run share but not the baseline's, the
+    marks differ, and the phases say where; where it matches neither, the rates do."""
+    from megatron_offload import auto_fraction, planner
+
+    state = cal["state_bytes"]
+
+    def free(marks):
+        profile = planner.profile_from_timeline(marks, state, 0.0, gbps, gbps, both_gbps)
+        return planner.free_bytes(profile) / state if state else 1.0
+
+    cal_phases, base_phases = phase_ms(cal["marks"]), phase_ms(base_marks)
+
+    def summary(phases):
+        forwards = [ms for kind, ms in phases if kind == "fwd"]
+        backwards = [ms for kind, ms in phases if kind == "bwd"]
+        step = [ms for kind, ms in phases if kind == "step"]
+        return (forwards[:1] or [0.0])[0], statistics.mean(forwards[1:] or [0.0]), (backwards[-1:] or [0.0])[0], \
+            (step or [0.0])[0]
+
+    names = ("first forward", "later forwards", "last backward", "step")
+    both = ", ".join(f"{n} {a:.1f} / {b:.1f}" for n, a, b in zip(names, summary(cal_phases), summary(base_phases)))
+    span = cal["marks"][-1][1] - cal["marks"][0][1] if cal["marks"] else 0.0
+    base_span = base_marks[-1][1] - base_marks[0][1] if base_marks else 0.0
+    return (f"calibration at iteration {cal['iteration']}: in-run free {cal['free_fraction']:.3f} (untrimmed "
+            f"{cal['free_upper']:.3f}, stalls {cal['stalls_ms']:.1f} ms removed); replayed at {gbps:.1f} / both "
+            f"{both_gbps:.1f} GB/s {free(auto_fraction.first_forward_as_the_others(cal['marks'])):.3f} (untrimmed "
+            f"{free(cal['marks']):.3f}); on the baseline's marks {free(base_marks):.3f}; ms calibration / baseline: "
+            f"{both}, marked span {span:.1f} / {base_span:.1f}")
 
 
 def report(results, ceilings):

@@ -378,6 +378,8 @@ DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_HOST_WAIT": ("host_waits_at_free", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_HOST_LEAD": ("host_lead_layers", int),
     "MEGATRON_OFFLOAD_FALLBACK_RELEASE": ("release_before_unfitted_reload", lambda v: v != "0"),
+    # "run": the calibration under the run's own bound; a number: that many layers.
+    "MEGATRON_OFFLOAD_CAL_HOST_LEAD": ("calibration_host_lead_layers", lambda v: None if v == "run" else int(v)),
 }
 
 
@@ -782,6 +784,7 @@ class Recorder:
                     "kept_bytes": sum(off.kept_bytes for off in coord.offloaders),
                     "chunk_count": sum(len(off.chunks) for off in coord.offloaders),
                     "auto_fraction": dataclasses.asdict(coord.auto_choice) if coord.auto_choice else None,
+                    "auto_calibrations": coord.calibrations,
                     "step_budget_bytes": coord.step_budgets[-1] if coord.step_budgets else None,
                     "pinned_bytes": coord.pinned_bytes,
                     "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,

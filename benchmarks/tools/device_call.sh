@@ -6,18 +6,48 @@
 # runs `scripts/run_gpu_suite.sh` once per spec with the spec's variables exported, OUT=$OUT/NAME and
 # WORK=/tmp/w_NAME (kept on a warm machine: a later call can resume from its checkpoints), prints
 # each run's exit status and the tail of its console log, and at the end packs every NAME folder
-# into $OUT/results.tgz: a device call brings back at most 8 files, so the folders travel as one.
+# (console logs included) into $OUT/results.tgz: a device call brings back at most 8 files, so the
+# folders travel as one.
+# A lone '&' between specs runs the spec before it in the background, beside the ones after it
+# (e.g. a functional suite on all GPUs beside a matrix: `'func:...' '&' 'moe:...' 'mx:...'`); the
+# carried wheels are then installed once, before any spec starts (two suites installing into the
+# same folder at once would race).
 # The suite samples the node's MemAvailable itself (memavailable_kib.log in each logs.tgz).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=${OUT:-/tmp/megatron_offload_gpu}
 mkdir -p "$R"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
 git log -1 --format=%H > "$R/device_git_head.txt" 2>/dev/null  # (the last pushed commit: the tree travels, not it)
-for spec in "$@"; do
-  name=${spec%%:*}; envs=${spec#*:}
+
+if printf '%s\n' "$@" | grep -qx '&' && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD WHEELS=none  # (run_gpu_suite.sh keeps a PYTHONPATH it is given)
+fi
+
+run_spec() {
+  local name=${1%%:*} envs=${1#*:}
+  mkdir -p "$R/$name"
   echo "=== $name: $envs ($(date +%T))"
-  ( eval "export $envs"; OUT=$R/$name WORK=/tmp/w_$name bash scripts/run_gpu_suite.sh ) > "$R/$name.console.log" 2>&1
+  ( eval "export $envs"; OUT=$R/$name WORK=/tmp/w_$name bash scripts/run_gpu_suite.sh ) > "$R/$name/console.log" 2>&1
   echo "=== $name rc=$? ($(date +%T))"
-  tail -25 "$R/$name.console.log"
+  tail -25 "$R/$name/console.log"
+}
+
+background=()
+specs=("$@")
+for i in "${!specs[@]}"; do
+  spec=${specs[$i]}
+  [ "$spec" = "&" ] && continue
+  if [ "${specs[$((i + 1))]:-}" = "&" ]; then
+    run_spec "$spec" > "$R/.${spec%%:*}.tail" 2>&1 &
+    background+=("$!:${spec%%:*}")
+  else
+    run_spec "$spec"
+  fi
+done
+for entry in "${background[@]}"; do
+  wait "${entry%%:*}"
+  cat "$R/.${entry#*:}.tail" && rm -f "$R/.${entry#*:}.tail"
 done
 ( cd "$R" && dirs=$(ls -d -- */ 2>/dev/null) && [ -n "$dirs" ] && tar czf results.tgz $dirs && rm -rf $dirs )

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megatron_offload import auto_fraction, planner
+from megatron_offload import auto_fraction, config, planner
 from megatron_offload.offloader import ChunkState
 
 from fakes import FakeDistOpt, assert_bitwise_equal, make_coordinator, make_grads, snapshot
@@ -162,7 +162,39 @@ def test_the_calibration_iteration_keeps_the_host_within_one_layer(monkeypatch):
             _iteration(opt, coord, step)
             seen.append(coord.host_lead.waits - before)
         assert seen == waits, run_depth
-    assert auto_fraction.CALIBRATION_HOST_LEAD_LAYERS == 1
+    assert config.CALIBRATION_HOST_LEAD_LAYERS == 1 == config.OffloadConfig().calibration_host_lead_layers
+
+
+@pytest.mark.parametrize("calibration_depth, expected", [(1, 1), (0, 0), (3, 3), (None, None)])
+def test_the_calibration_iterations_take_the_configured_bound_and_record_their_marks(
+        monkeypatch, calibration_depth, expected):
+    # None: the calibration under the run's own bound (the hooks pass no depth of their own).
+    chosen = []
+    monkeypatch.setattr(auto_fraction, "choose",
+                        lambda timeline, state_bytes, d2h, h2d, room, **kw: chosen.append(timeline) or
+                        auto_fraction.Choice(0.5, 0.5, 0.0, 1.0, 0.0, d2h, h2d, free_upper=0.7))
+    opt = FakeDistOpt()
+    coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096, expected_forwards_per_iteration=lambda: 1,
+                             auto_fraction_at=2, memory_room=lambda: math.inf,
+                             calibration_host_lead_layers=calibration_depth)
+    coord.add_optimizer(opt)
+    depths = []
+    coord.host_lead.mark = lambda depth=None: depths[-1].add(depth)
+    for step in range(4):
+        depths.append(set())
+        _iteration(opt, coord, step, microbatches=1)
+    # Iteration 2 measured; 0.7 > 0.5 asks for a second calibration, in iteration 3.
+    assert depths == [{None}, {expected}, {expected}, {None}]
+    assert len(coord.calibrations) == 2 == len(chosen)
+    first = coord.calibrations[0]
+    assert first["iteration"] == 2 and first["marks"] == chosen[0] and first["marks"]
+    assert first["free_fraction"] == 0.5 and first["free_upper"] == 0.7 and first["state_bytes"] > 0
+    assert [label for label, _, _ in first["marks"]][:3] == ["iter_begin", "fwd_begin", "fwd_end"]
+
+
+def test_a_negative_calibration_bound_is_refused():
+    with pytest.raises(ValueError):
+        config.OffloadConfig(calibration_host_lead_layers=-1)
 
 
 def test_calibration_moves_to_the_next_iteration_after_a_skipped_step(monkeypatch):

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from megatron_offload import planner
+from megatron_offload import auto_fraction, planner
+from megatron_offload.config import OffloadConfig
 from megatron_offload.planner import GiB, PRESETS, Profile, Segment, free_bytes, predict
 
 
@@ -430,3 +431,48 @@ def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow()
     soak = benchmark.soak_stats([it(10.0, 20.0 + i % 7) for i in range(9)] + [it(10.0)], warmup=0, window=4)
     assert soak["p50_ms"] == 10.0 and soak["p50_period_ms"] == 22.0 and soak["p99_period_ms"] == 26.0
     assert "p50_period_ms" not in benchmark.soak_stats([it(10.0)] * 10, warmup=0, window=4)
+
+
+def test_the_benchmark_replays_each_calibration_of_the_automatic_fraction(capsys):
+    """An `offload-auto` row with rank 0's calibrations: the free share replayed on the calibration's
+    own marks at the call's rates (trimmed as in-run, and untrimmed) beside the baseline's, and the
+    phases of both. A calibration whose first forward ran 30 ms longer than the baseline's (the
+    copy beside it) reads a larger untrimmed share; trimmed it reads the baseline's."""
+    benchmark = _benchmark()
+    marks = [("iter_begin", 0.0, 0), ("fwd_begin", 1.0, 0), ("fwd_end", 81.0, 20 * GiB),
+             ("bwd_begin", 81.0, 20 * GiB), ("bwd_end", 171.0, 0), ("fwd_begin", 171.0, 0),
+             ("fwd_end", 251.0, 20 * GiB), ("bwd_begin", 251.0, 20 * GiB), ("bwd_end", 341.0, 0),
+             ("step_begin", 345.0, 0), ("step_end", 375.0, 0)]
+    stretched = [(label, t + 30.0 if k >= 2 else t, act) for k, (label, t, act) in enumerate(marks)]
+    state = 8 * GiB
+    cal = {"iteration": 3, "marks": stretched, "stalls_ms": 4.5, "state_bytes": state, "free_fraction": 0.25,
+           "free_upper": 0.5}
+    timeline = {"iteration": 10, "marks": marks, "step_peak_growth": 0}
+    base = {"timeline": timeline, "timelines": [timeline], "busy_timelines": [], "offloaded_gib": [0],
+            "max_reserved_gib": [40.0]}
+    auto = {"offloaded_gib": [4.0], "ratio": 1.01, "kept_gib": [4.0], "reserved_saved_gib": 4.0,
+            "max_reserved_gib": [36.0], "auto_fraction": [{"fraction": 0.5}], "auto_calibrations": [cal]}
+    benchmark.compare_with_planner({"baseline": base, "offload-auto": auto}, 10.0)
+    out = [line for line in capsys.readouterr().out.splitlines() if "calibration at iteration 3" in line]
+    assert len(out) == 1
+
+    def free(m):
+        return planner.free_bytes(planner.profile_from_timeline(m, state, 0.0, 10.0, 10.0, 20.0)) / state
+
+    trimmed, untrimmed, on_base = free(auto_fraction.first_forward_as_the_others(stretched)), free(stretched), free(marks)
+    assert trimmed == pytest.approx(on_base) and untrimmed > on_base + 0.01
+    assert (f"replayed at 10.0 / both 20.0 GB/s {trimmed:.3f} (untrimmed {untrimmed:.3f}); on the baseline's marks "
+            f"{on_base:.3f}") in out[0]
+    assert "in-run free 0.250 (untrimmed 0.500, stalls 4.5 ms removed)" in out[0]
+    assert ("first forward 110.0 / 80.0, later forwards 80.0 / 80.0, last backward 90.0 / 90.0, step 30.0 / 30.0, "
+            "marked span 405.0 / 375.0") in out[0]
+
+
+def test_the_calibrations_bound_has_a_benchmark_modifier_the_mock_understands():
+    benchmark = _benchmark()
+    import pretrain_gpt_mock
+
+    (var, value), = benchmark.MODIFIERS["calrun"].items()
+    field, parse = pretrain_gpt_mock.DIAGNOSTIC_ENV[var]
+    assert field == "calibration_host_lead_layers" and parse(value) is None and parse("2") == 2
+    assert field in {f.name for f in dataclasses.fields(OffloadConfig)}
