@@ -61,10 +61,11 @@ class Calibration:
             # The second calibration keeps the first one's memory bound (`refine`): no room needed.
             room = self._memory_room() if first is None else math.inf
             choice = auto_fraction.choose(timeline, total, d2h, h2d, room, stalls_ms=stalls_ms)
-            # Kept for a replay of the choice against another profile (the benchmark's planner).
+            # Kept for a replay of this measurement against another profile (the benchmark's planner):
+            # its own reading, before a second calibration's bounds (`refine`) and the job's `agree`.
             self.calibrations.append({"iteration": self._iterations_done, "marks": timeline, "stalls_ms": stalls_ms,
-                                      "state_bytes": total, "free_fraction": choice.free_fraction,
-                                      "free_upper": choice.free_upper})
+                                      "state_bytes": total, "d2h_gbps": d2h, "h2d_gbps": h2d,
+                                      "free_fraction": choice.free_fraction, "free_upper": choice.free_upper})
             if first is not None:
                 choice = auto_fraction.refine(first, choice)
         if self._smallest_in_group is not None:

@@ -44,8 +44,8 @@ class OffloadConfig:
     # streams.HostLeadBound says why a large lead grows reserved memory where gradients are freed
     # through another stream). 0 assumes they are not: a loop whose DDP built its AccumulateGrad
     # nodes on a side stream re-creates them (upstream_fixes.grad_accumulators_on_current_stream)
-    # or sets DEFERRED_FREES_HOST_LEAD_LAYERS. (The automatic fraction's calibration iterations keep
-    # calibration_host_lead_layers whatever this is.)
+    # or sets DEFERRED_FREES_HOST_LEAD_LAYERS. (The automatic fraction's calibration iterations take
+    # calibration_host_lead_layers instead, unless that is None.)
     host_lead_layers: int = 0
     # >0 (copy_feeder.py): start the copy-out at the step (each piece, with the chunked step) and let
     # a host thread keep about this many bytes of it queued on the GPU; 0: at the next forward.

@@ -433,17 +433,23 @@ def phase_ms(marks):
 
 
 def replay_calibration(cal, base_marks, gbps, both_gbps):
-    """One in-run calibration of the automatic fraction (rank 0's record) against the baseline: the
-    free share the planner finds on the calibration's own marks at this call's copy rates (first
-    forward trimmed as in-run, and untrimmed) beside the in-run figures and the baseline's, and the
-    phases of both in ms. Where the replay matches the in-run share but not the baseline's, the
-    marks differ, and the phases say where; where it matches neither, the rates do."""
+    """One in-run calibration of the automatic fraction (rank 0's record) against the baseline.
+
+    The calibration's own reading (before a second calibration's bounds and the job's agreement),
+    then the planner's free share on its marks (first forward trimmed as in-run, and untrimmed)
+    at the rates it used in-run (auto_fraction.choose: measured, both ways at BOTH_DIRECTIONS_SHARE
+    of their sum) and at this call's ceilings, the same on the baseline's marks at those ceilings,
+    and the phases of both in ms. The two replays on the calibration's marks differ by the rates
+    alone; the calibration's against the baseline's at the same ceilings differ by the marks
+    alone, and the phases say where. (The baseline's share here has no step growth and no busy
+    marks, as in-run: it can differ slightly from the `free` figure above.)"""
     from megatron_offload import auto_fraction, planner
 
     state = cal["state_bytes"]
+    d2h, h2d = cal.get("d2h_gbps") or gbps, cal.get("h2d_gbps") or gbps
 
-    def free(marks):
-        profile = planner.profile_from_timeline(marks, state, 0.0, gbps, gbps, both_gbps)
+    def free(marks, out=gbps, into=gbps, both=both_gbps):
+        profile = planner.profile_from_timeline(marks, state, 0.0, out, into, both)
         return planner.free_bytes(profile) / state if state else 1.0
 
     cal_phases, base_phases = phase_ms(cal["marks"]), phase_ms(base_marks)
@@ -459,11 +465,14 @@ def replay_calibration(cal, base_marks, gbps, both_gbps):
     both = ", ".join(f"{n} {a:.1f} / {b:.1f}" for n, a, b in zip(names, summary(cal_phases), summary(base_phases)))
     span = cal["marks"][-1][1] - cal["marks"][0][1] if cal["marks"] else 0.0
     base_span = base_marks[-1][1] - base_marks[0][1] if base_marks else 0.0
-    return (f"calibration at iteration {cal['iteration']}: in-run free {cal['free_fraction']:.3f} (untrimmed "
-            f"{cal['free_upper']:.3f}, stalls {cal['stalls_ms']:.1f} ms removed); replayed at {gbps:.1f} / both "
-            f"{both_gbps:.1f} GB/s {free(auto_fraction.first_forward_as_the_others(cal['marks'])):.3f} (untrimmed "
-            f"{free(cal['marks']):.3f}); on the baseline's marks {free(base_marks):.3f}; ms calibration / baseline: "
-            f"{both}, marked span {span:.1f} / {base_span:.1f}")
+    trimmed = auto_fraction.first_forward_as_the_others(cal["marks"])
+    in_run = dict(out=d2h, into=h2d, both=auto_fraction.BOTH_DIRECTIONS_SHARE * (d2h + h2d))
+    return (f"calibration at iteration {cal['iteration']}: its own reading free {cal['free_fraction']:.3f} (untrimmed "
+            f"{cal['free_upper']:.3f}, stalls {cal['stalls_ms']:.1f} ms removed); replayed at its rates {d2h:.1f} / "
+            f"{h2d:.1f} / both {in_run['both']:.1f} GB/s {free(trimmed, **in_run):.3f} (untrimmed "
+            f"{free(cal['marks'], **in_run):.3f}), at the ceilings {gbps:.1f} / both {both_gbps:.1f} GB/s "
+            f"{free(trimmed):.3f} (untrimmed {free(cal['marks']):.3f}); on the baseline's marks {free(base_marks):.3f}; "
+            f"ms calibration / baseline: {both}, marked span {span:.1f} / {base_span:.1f}")
 
 
 def report(results, ceilings):

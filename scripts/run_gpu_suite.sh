@@ -67,12 +67,16 @@ fi
   > "$WORK/memavailable_kib.log" 2>/dev/null &
 SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null' EXIT
-# An allocator history (MEGATRON_OFFLOAD_MEMHIST) read with scripts/alloc_trace.py into $2.
-read_memhist() { python3 scripts/alloc_trace.py "$1" --peaks --holes --layout-growths 3 > "$2" 2>&1 || true; }
+# An allocator history (MEGATRON_OFFLOAD_MEMHIST) read with scripts/alloc_trace.py into $2, while
+# SUITE_BUDGET_S lasts (the logs must still be packed after it).
+read_memhist() {
+  within_budget python3 scripts/alloc_trace.py "$1" --peaks --holes --layout-growths 3 > "$2" 2>&1 || true
+}
 # Every run folder's histories under $1, read beside each one (alloc_rank<R>.txt, in logs.tgz).
 read_memhists() {
   for f in "$1"/*/memhist_rank*.npz; do
     [ -e "$f" ] || continue
+    [ "$(date +%s)" -lt "$DEADLINE" ] || { echo "allocator histories left unread: SUITE_BUDGET_S"; break; }
     read_memhist "$f" "$(dirname "$f")/alloc_$(basename "$f" .npz | sed 's/memhist_//').txt"
   done
 }

@@ -11,7 +11,8 @@
 # A lone '&' between specs runs the spec before it in the background, beside the ones after it
 # (e.g. a functional suite on all GPUs beside a matrix: `'func:...' '&' 'moe:...' 'mx:...'`); the
 # carried wheels are then installed once, before any spec starts (two suites installing into the
-# same folder at once would race).
+# same folder at once would race), and no spec may set TE=1 or WHEELS (Transformer Engine's
+# installer empties its folder first: run those specs in a call without '&').
 # The suite samples the node's MemAvailable itself (memavailable_kib.log in each logs.tgz).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=${OUT:-/tmp/megatron_offload_gpu}
@@ -19,21 +20,32 @@ mkdir -p "$R"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
 git log -1 --format=%H > "$R/device_git_head.txt" 2>/dev/null  # (the last pushed commit: the tree travels, not it)
 
-if printf '%s\n' "$@" | grep -qx '&' && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site:$PWD WHEELS=none  # (run_gpu_suite.sh keeps a PYTHONPATH it is given)
+if printf '%s\n' "$@" | grep -qx '&'; then
+  if printf '%s\n' "$@" | grep -Eq '(^|[: ])(TE=1|WHEELS=)'; then
+    echo "device_call.sh: with '&' no spec may set TE=1 or WHEELS (their installs would race)" >&2
+    exit 2
+  fi
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || exit 1
+    export PYTHONPATH=/tmp/site:$PWD WHEELS=none  # (run_gpu_suite.sh keeps a PYTHONPATH it is given)
+    python3 -c 'import megatron.core as m; print("megatron-core", m.__version__)' > "$R/versions.txt" 2>&1
+  fi
 fi
 
+# One spec; its exit status is the suite's.
 run_spec() {
-  local name=${1%%:*} envs=${1#*:}
+  local name=${1%%:*} envs=${1#*:} rc
   mkdir -p "$R/$name"
   echo "=== $name: $envs ($(date +%T))"
   ( eval "export $envs"; OUT=$R/$name WORK=/tmp/w_$name bash scripts/run_gpu_suite.sh ) > "$R/$name/console.log" 2>&1
-  echo "=== $name rc=$? ($(date +%T))"
+  rc=$?
+  echo "=== $name rc=$rc ($(date +%T))"
   tail -25 "$R/$name/console.log"
+  return $rc
 }
 
+status=0
 background=()
 specs=("$@")
 for i in "${!specs[@]}"; do
@@ -43,11 +55,12 @@ for i in "${!specs[@]}"; do
     run_spec "$spec" > "$R/.${spec%%:*}.tail" 2>&1 &
     background+=("$!:${spec%%:*}")
   else
-    run_spec "$spec"
+    run_spec "$spec" || status=1
   fi
 done
 for entry in "${background[@]}"; do
-  wait "${entry%%:*}"
+  wait "${entry%%:*}" || status=1
   cat "$R/.${entry#*:}.tail" && rm -f "$R/.${entry#*:}.tail"
 done
 ( cd "$R" && dirs=$(ls -d -- */ 2>/dev/null) && [ -n "$dirs" ] && tar czf results.tgz $dirs && rm -rf $dirs )
+exit $status  # (non-zero where any spec's suite failed)

@@ -189,6 +189,10 @@ def test_the_calibration_iterations_take_the_configured_bound_and_record_their_m
     first = coord.calibrations[0]
     assert first["iteration"] == 2 and first["marks"] == chosen[0] and first["marks"]
     assert first["free_fraction"] == 0.5 and first["free_upper"] == 0.7 and first["state_bytes"] > 0
+    assert first["d2h_gbps"] > 0 and first["h2d_gbps"] > 0
+    # The second calibration's own reading, recorded before `refine` moved the choice to its 0.7.
+    assert coord.calibrations[1]["iteration"] == 3 and coord.calibrations[1]["free_fraction"] == 0.5
+    assert coord.auto_choice.free_fraction == pytest.approx(0.7)
     assert [label for label, _, _ in first["marks"]][:3] == ["iter_begin", "fwd_begin", "fwd_end"]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_offload import ChunkState
+from megatron_offload.chunks import Chunk
 from megatron_offload.coordinator import Phase
 from megatron_offload.chunked_step import (
     complete_pieces,
@@ -415,12 +416,18 @@ def test_chunked_step_reloads_in_the_backward_up_to_the_level_the_step_reached()
     coord.close()
 
 
-def test_chunked_step_takes_the_chunks_coming_back_in_the_order_they_arrive():
+def test_chunked_step_takes_the_chunks_coming_back_in_the_order_they_arrive(monkeypatch):
     """The backward reloads the latest-freed chunks first (about the reverse of their index order).
     The step takes resident chunks first, then those coming back in the order their H2D was
     enqueued (the order they land), then the rest: a step in index order would begin by waiting
     for the chunk that arrives last. Bit-identical either way."""
     from test_offloader_cpu import make_coord
+
+    # Addresses falling with the index: the forward (highest address first) then frees the chunks in
+    # index order, as the loop below assumes. Left to the CPU heap, the order depended on what earlier
+    # tests had allocated (the case below then did not always occur).
+    monkeypatch.setattr(Chunk, "address", property(
+        lambda c: 0 if c.state is ChunkState.OFFLOADED or c.buffer is None else 2**40 - c.index))
 
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
     act = [0]

@@ -445,8 +445,8 @@ def test_the_benchmark_replays_each_calibration_of_the_automatic_fraction(capsys
              ("step_begin", 345.0, 0), ("step_end", 375.0, 0)]
     stretched = [(label, t + 30.0 if k >= 2 else t, act) for k, (label, t, act) in enumerate(marks)]
     state = 8 * GiB
-    cal = {"iteration": 3, "marks": stretched, "stalls_ms": 4.5, "state_bytes": state, "free_fraction": 0.25,
-           "free_upper": 0.5}
+    cal = {"iteration": 3, "marks": stretched, "stalls_ms": 4.5, "state_bytes": state, "d2h_gbps": 8.0,
+           "h2d_gbps": 9.0, "free_fraction": 0.25, "free_upper": 0.5}
     timeline = {"iteration": 10, "marks": marks, "step_peak_growth": 0}
     base = {"timeline": timeline, "timelines": [timeline], "busy_timelines": [], "offloaded_gib": [0],
             "max_reserved_gib": [40.0]}
@@ -456,14 +456,19 @@ def test_the_benchmark_replays_each_calibration_of_the_automatic_fraction(capsys
     out = [line for line in capsys.readouterr().out.splitlines() if "calibration at iteration 3" in line]
     assert len(out) == 1
 
-    def free(m):
-        return planner.free_bytes(planner.profile_from_timeline(m, state, 0.0, 10.0, 10.0, 20.0)) / state
+    def free(m, out=10.0, into=10.0, both=20.0):
+        return planner.free_bytes(planner.profile_from_timeline(m, state, 0.0, out, into, both)) / state
 
-    trimmed, untrimmed, on_base = free(auto_fraction.first_forward_as_the_others(stretched)), free(stretched), free(marks)
+    cut = auto_fraction.first_forward_as_the_others(stretched)
+    trimmed, untrimmed, on_base = free(cut), free(stretched), free(marks)
     assert trimmed == pytest.approx(on_base) and untrimmed > on_base + 0.01
-    assert (f"replayed at 10.0 / both 20.0 GB/s {trimmed:.3f} (untrimmed {untrimmed:.3f}); on the baseline's marks "
+    # At the calibration's own rates (both ways at the in-run share of their sum): slower, less free.
+    own, own_untrimmed = free(cut, 8.0, 9.0, 0.68 * 17.0), free(stretched, 8.0, 9.0, 0.68 * 17.0)
+    assert own < trimmed and own_untrimmed < untrimmed
+    assert (f"replayed at its rates 8.0 / 9.0 / both 11.6 GB/s {own:.3f} (untrimmed {own_untrimmed:.3f}), at the "
+            f"ceilings 10.0 / both 20.0 GB/s {trimmed:.3f} (untrimmed {untrimmed:.3f}); on the baseline's marks "
             f"{on_base:.3f}") in out[0]
-    assert "in-run free 0.250 (untrimmed 0.500, stalls 4.5 ms removed)" in out[0]
+    assert "its own reading free 0.250 (untrimmed 0.500, stalls 4.5 ms removed)" in out[0]
     assert ("first forward 110.0 / 80.0, later forwards 80.0 / 80.0, last backward 90.0 / 90.0, step 30.0 / 30.0, "
             "marked span 405.0 / 375.0") in out[0]
 
