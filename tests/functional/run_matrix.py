@@ -48,6 +48,9 @@ from megatron_runs import model_args, reserved_saving_check, run_losses as losse
 launch = megatron_runs.launch
 # Megatron arguments for every run of every case (--extra; e.g. TE layers where TE is installed).
 EXTRA = []
+# Arguments for the offloading runs only (--offload-extra; e.g. an --offload-* flag to compare), so
+# that the baseline of every case stays the same run.
+OFFLOAD_EXTRA = []
 # The training script of every run (--script; the project's entry point unless told).
 SCRIPT = [megatron_runs.MOCK_SCRIPT]
 
@@ -104,11 +107,12 @@ SMALL_STEP_BUDGET = ["--offload-step-budget-mb", "64"]
 
 
 def offload_args(case):
+    """The plugin's arguments of the case's offloading runs (--offload-extra last, so that it wins)."""
     if case.endswith("-whole"):
-        return OFFLOAD + ["--offload-step", "whole"]
+        return OFFLOAD + ["--offload-step", "whole"] + OFFLOAD_EXTRA
     if case.endswith("-chunked"):
-        return OFFLOAD + SMALL_STEP_BUDGET
-    return OFFLOAD
+        return OFFLOAD + SMALL_STEP_BUDGET + OFFLOAD_EXTRA
+    return OFFLOAD + OFFLOAD_EXTRA
 # Checkpoint runs resuming the case's own runs: which run's checkpoint, and with offloading?
 RESUMES = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
            "plain_to_offload": ("baseline", True)}
@@ -289,12 +293,16 @@ def main(argv=None):
     p.add_argument("--extra", action="append", default=[],
                    help="extra Megatron args for every run (repeatable; each is split at spaces), e.g. "
                         "--extra=--transformer-impl=transformer_engine")
+    p.add_argument("--offload-extra", action="append", default=[],
+                   help="extra arguments for the runs that offload only (repeatable; split at spaces), e.g. "
+                        "--offload-extra=--offload-release-cached-memory")
     p.add_argument("--script", default="mock",
                    help="mock (the project's entry point), upstream (Megatron-LM's own pretrain_gpt.py), auto, or a path")
     p.add_argument("--from-records", action="store_true",
                    help="launch nothing: re-evaluate the checks on the records of a finished matrix in --out")
     opts = p.parse_args(argv)
     EXTRA[:] = " ".join(opts.extra).split()
+    OFFLOAD_EXTRA[:] = " ".join(opts.offload_extra).split()
     SCRIPT[0] = megatron_runs.choose_script(opts.script)
     print(f"training script: {SCRIPT[0]}", flush=True)
     if opts.from_records:

@@ -48,6 +48,26 @@ def test_extra_arguments_reach_every_run(monkeypatch, tmp_path):
         assert i > args.index("local") and args[i + 1:i + 3] == ["--fp8-format", "hybrid"], (name, args)
 
 
+def test_offload_extra_reaches_the_offloading_runs_only(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_launch(name, args, nproc, out, script=None, env_extra=None):
+        seen[name] = args
+        raise Launched(name)
+
+    use_launch(monkeypatch, fake_launch, "scripts/pretrain_gpt_mock.py")
+    monkeypatch.setattr(run_matrix, "OFFLOAD_EXTRA",
+                        "--offload-memory-margin-mb=1000000 --offload-release-cached-memory".split())
+    for case in ("ep2-moe", "pp2-chunked"):
+        with pytest.raises(Launched):
+            run_matrix.run_case(case, 4, str(tmp_path), InlineSlots())
+    for case in ("ep2-moe", "pp2-chunked"):
+        offload, plain = seen[f"{case}-offload"], seen[f"{case}-baseline"]
+        assert offload[-2:] == ["--offload-memory-margin-mb=1000000", "--offload-release-cached-memory"], offload
+        assert "--offload-optimizer-states" in offload
+        assert not any(a.startswith("--offload") for a in plain), plain
+
+
 def test_script_choice(tmp_path, monkeypatch):
     import megatron_runs
     assert megatron_runs.choose_script("mock") == megatron_runs.MOCK_SCRIPT
