@@ -426,12 +426,6 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
     return rows
 
 
-def phase_ms(marks):
-    """[(phase, ms)] of the begin/end pairs of a timeline's marks ("fwd", "bwd", "step"), in order."""
-    return [(label[:-len("_begin")], t2 - t) for (label, t, _), (label2, t2, _) in zip(marks, marks[1:])
-            if label.endswith("_begin") and label2 == label[:-len("_begin")] + "_end"]
-
-
 def replay_calibration(cal, base_marks, gbps, both_gbps):
     """One in-run calibration of the automatic fraction (rank 0's record) against the baseline.
 
@@ -448,21 +442,23 @@ def replay_calibration(cal, base_marks, gbps, both_gbps):
     state = cal["state_bytes"]
     d2h, h2d = cal.get("d2h_gbps") or gbps, cal.get("h2d_gbps") or gbps
 
-    def free(marks, out=gbps, into=gbps, both=both_gbps):
-        profile = planner.profile_from_timeline(marks, state, 0.0, out, into, both)
-        return planner.free_bytes(profile) / state if state else 1.0
+    def profile(marks, out=gbps, into=gbps, both=both_gbps):
+        return planner.profile_from_timeline(marks, state, 0.0, out, into, both)
 
-    cal_phases, base_phases = phase_ms(cal["marks"]), phase_ms(base_marks)
+    def free(marks, **rates):
+        return planner.free_bytes(profile(marks, **rates)) / state if state else 1.0
 
-    def summary(phases):
-        forwards = [ms for kind, ms in phases if kind == "fwd"]
-        backwards = [ms for kind, ms in phases if kind == "bwd"]
-        step = [ms for kind, ms in phases if kind == "step"]
+    def summary(marks):
+        """First forward, mean of the later ones, last backward, step (ms; the profile's phases)."""
+        segments = profile(marks).segments
+        forwards = [g.ms for g in segments if g.kind == "forward"]
+        backwards = [g.ms for g in segments if g.kind == "backward"]
+        step = [g.ms for g in segments if g.kind == "step"]
         return (forwards[:1] or [0.0])[0], statistics.mean(forwards[1:] or [0.0]), (backwards[-1:] or [0.0])[0], \
             (step or [0.0])[0]
 
     names = ("first forward", "later forwards", "last backward", "step")
-    both = ", ".join(f"{n} {a:.1f} / {b:.1f}" for n, a, b in zip(names, summary(cal_phases), summary(base_phases)))
+    both = ", ".join(f"{n} {a:.1f} / {b:.1f}" for n, a, b in zip(names, summary(cal["marks"]), summary(base_marks)))
     span = cal["marks"][-1][1] - cal["marks"][0][1] if cal["marks"] else 0.0
     base_span = base_marks[-1][1] - base_marks[0][1] if base_marks else 0.0
     trimmed = auto_fraction.first_forward_as_the_others(cal["marks"])
