@@ -72,9 +72,12 @@ class Calibration:
             choice = auto_fraction.agree(choice, self._smallest_in_group)
         self.auto_choice = choice
         self.auto_fraction_at = None
-        # Whether to calibrate once more: the job does if any rank needs it.
+        # Whether to calibrate once more: the job does if any rank needs it. Not in the very next
+        # iteration: the first one at a new fraction maps the memory its layout needs (the state
+        # kept resident now sits where the whole state was off) inside its first forward, which
+        # then reads long, and `refine` takes the second calibration's first forward as measured.
         if first is None and self._any_in_group(auto_fraction.needs_second_calibration(choice)):
-            self.auto_fraction_at = self._iterations_done + 1
+            self.auto_fraction_at = self._iterations_done + 2
         self._trace(f"auto_fraction:{choice.fraction:.2f}")
         self._announce_fn(choice.describe())
         # (Also 1.0 after a first choice below it: the second calibration's choice is applied.)

@@ -71,6 +71,24 @@ class MemoryPolicy:
             upcoming = self.profile[h + 1] if h + 1 < len(self.profile) else self.peak_growth
             budget = max(0, self.peak_growth - upcoming - self.config.margin_bytes)
         self._free_until(budget, position=h)
+        if self.config.free_when_copied_out:
+            self._free_when_copied_out(h)
+
+    def _free_when_copied_out(self, h: int) -> None:
+        """Once every chunk still COPYING_OUT has finished its copy, free them all before layer `h`
+        (no stream waits for anything), not only what the budget asks.
+
+        Why: the budget frees a chunk at a time as the activations grow, and each freed block is
+        then cut up by the activations placed in it. Where the state is small against the
+        activations, what is left between them are holes that a later large request (the fp32
+        logits) fits in none of: it maps new memory, and the reserved peak keeps part of what was
+        offloaded. Freed together, adjacent chunk blocks merge before any activation takes part
+        of them. Where the copy-out is still running, nothing changes: freeing early would stall
+        the compute stream. Off by default until measured on large models (benchmark's
+        @freecopied). See [Note: free when copied out] in docs/design.md."""
+        pending = self._chunks(ChunkState.COPYING_OUT)
+        if pending and all(off.copied_out(chunk) for off, chunk in pending):
+            self._free_until(0, position=h)
 
     def _free_until(self, budget: int, position: Optional[int] = None) -> int:
         """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated.

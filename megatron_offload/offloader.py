@@ -202,6 +202,13 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         for start in range(0, dst.numel(), step):
             dst[start : start + step].copy_(src[start : start + step], non_blocking=True)
 
+    def copied_out(self, chunk: Chunk) -> bool:
+        """Whether COPYING_OUT `chunk` can be freed with no stream waiting: its host copy is current
+        and no piece of its D2H is still queued (feeder) or running (`ready`)."""
+        if self.feeder is not None and self.feeder.pending(chunk):
+            return False
+        return chunk.ready is None or chunk.ready.query()
+
     def free(self, chunks: List[Chunk], host_waits: bool = False) -> int:
         """COPYING_OUT -> OFFLOADED: release the GPU storage of `chunks`. Returns bytes freed.
 

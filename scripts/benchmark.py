@@ -77,6 +77,9 @@ MODIFIERS = {
     # The automatic fraction's calibration under the run's own host-lead bound instead of one layer
     # (config.CALIBRATION_HOST_LEAD_LAYERS).
     "calrun": {"MEGATRON_OFFLOAD_CAL_HOST_LEAD": "run"},
+    # Once the whole copy-out has finished, the next forward hook frees all of it (not only what
+    # the budget asks: OffloadConfig.free_when_copied_out).
+    "freecopied": {"MEGATRON_OFFLOAD_FREE_COPIED": "1"},
     # Megatron's own reads after the step (megatron_reads.py off: the model-parallel reductions and
     # train's loss-scale read): each reads the GPU, behind the copy-out in flight.
     "devreads": {"MEGATRON_OFFLOAD_DEVICE_READS": "1"},

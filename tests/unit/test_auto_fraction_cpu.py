@@ -180,18 +180,19 @@ def test_the_calibration_iterations_take_the_configured_bound_and_record_their_m
     coord.add_optimizer(opt)
     depths = []
     coord.host_lead.mark = lambda depth=None: depths[-1].add(depth)
-    for step in range(4):
+    for step in range(5):
         depths.append(set())
         _iteration(opt, coord, step, microbatches=1)
-    # Iteration 2 measured; 0.7 > 0.5 asks for a second calibration, in iteration 3.
-    assert depths == [{None}, {expected}, {expected}, {None}]
+    # Iteration 2 measured; 0.7 > 0.5 asks for a second calibration, in iteration 4 (iteration 3,
+    # the first at the new fraction, maps its memory: not measured).
+    assert depths == [{None}, {expected}, {None}, {expected}, {None}]
     assert len(coord.calibrations) == 2 == len(chosen)
     first = coord.calibrations[0]
     assert first["iteration"] == 2 and first["marks"] == chosen[0] and first["marks"]
     assert first["free_fraction"] == 0.5 and first["free_upper"] == 0.7 and first["state_bytes"] > 0
     assert first["d2h_gbps"] > 0 and first["h2d_gbps"] > 0
     # The second calibration's own reading, recorded before `refine` moved the choice to its 0.7.
-    assert coord.calibrations[1]["iteration"] == 3 and coord.calibrations[1]["free_fraction"] == 0.5
+    assert coord.calibrations[1]["iteration"] == 4 and coord.calibrations[1]["free_fraction"] == 0.5
     assert coord.auto_choice.free_fraction == pytest.approx(0.7)
     assert [label for label, _, _ in first["marks"]][:3] == ["iter_begin", "fwd_begin", "fwd_end"]
 
@@ -379,7 +380,7 @@ def test_coordinator_calibrates_again_at_the_first_choice_and_repacks_only_on_a_
     first = auto_fraction.Choice(0.4, 0.4, 0.0, 1.0, 0.0, 55, 55, free_upper=0.6)
     again = auto_fraction.Choice(0.3, 0.3, 0.0, 1.0, 0.0, 55, 55, free_upper=0.5)
     coord, off, calls, _, _ = _auto_run(monkeypatch, [first, again], steps=5)
-    assert len(calls) == 2  # iterations 2 and 3
+    assert len(calls) == 2  # iterations 2 and 4
     assert calls[0]["room"] == 777.0 and calls[1]["room"] == math.inf
     # Both calibrations plan for the whole state, resident part included.
     assert calls[0]["state_bytes"] == calls[1]["state_bytes"] == off.state_bytes + off.kept_bytes
@@ -458,23 +459,24 @@ def test_a_rank_without_state_learns_of_a_skipped_step_from_the_job():
 
 def _all_kept_then(monkeypatch, second):
     """A coordinator whose first choice (0.01) keeps this optimizer's whole state (its first
-    tensor is larger than 1 %), and whose second choice is `second`."""
+    tensor is larger than 1 %), and whose second choice is `second`; run up to the second
+    calibration's iteration (4; iteration 3, the first at 0.01, is not measured)."""
     first = auto_fraction.Choice(0.01, 0.01, 0.0, 1.0, 0.0, 55, 55, free_upper=1.0)
-    coord, off, _, ref, opt = _auto_run(monkeypatch, [first, second], steps=2,
+    coord, off, _, ref, opt = _auto_run(monkeypatch, [first, second], steps=3,
                                         make_opt=lambda: FakeDistOpt(fp32_numels=(), bf16_numels=(4096, 300, 1000, 64)))
-    assert off.kept and not off.chunks and coord.auto_fraction_at == 3
+    assert off.kept and not off.chunks and coord.auto_fraction_at == 4
     return ref, opt, coord, off
 
 
 def test_a_skipped_step_counts_on_a_rank_whose_state_is_all_kept(monkeypatch):
     ref, opt, coord, off = _all_kept_then(monkeypatch, auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
-    _iteration(opt, coord, 2, skip=True)  # the second calibration's iteration
-    assert coord.auto_fraction_at == 4 and coord.auto_choice.calibrations == 1  # measured next time
+    _iteration(opt, coord, 3, skip=True)  # the second calibration's iteration
+    assert coord.auto_fraction_at == 5 and coord.auto_choice.calibrations == 1  # measured next time
 
 
 def test_a_second_choice_of_everything_after_all_was_kept_offloads_everything(monkeypatch):
     ref, opt, coord, off = _all_kept_then(monkeypatch, auto_fraction.Choice(1.0, 1.0, 0.0, 1.0, 0.0, 55, 55))
-    for step in range(2, 4):
+    for step in range(3, 5):
         make_grads(ref.all_params(), step)
         ref.step()
         _iteration(opt, coord, step)

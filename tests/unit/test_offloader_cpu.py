@@ -1196,6 +1196,45 @@ def test_the_forwards_frees_make_the_host_wait_for_the_copy_out(host_waits):
     assert len(waited) == (chunks if host_waits else 0), (len(waited), chunks)
 
 
+class _FinishedCopy:
+    """A copy's event whose copy is over (`done`) or still running."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("copies_done", [True, False])
+@pytest.mark.parametrize("free_when_copied_out", [True, False])
+def test_a_finished_copy_out_is_freed_whole_at_the_first_hook_only_when_asked(free_when_copied_out, copies_done):
+    """With `free_when_copied_out` the first forward hook that finds every copy-out finished frees
+    all of it; a copy still running (or the switch off) leaves the budget's late frees as they
+    were. Training stays bit-exact either way."""
+    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       free_when_copied_out=free_when_copied_out)
+    coord.add_optimizer(opt)
+    coord.streams.record = lambda stream: _FinishedCopy(copies_done)
+    for step in range(4):
+        trace = []
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=trace)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    # (the last iteration: the growth profile is known, so the budget alone frees late)
+    if free_when_copied_out and copies_done:
+        assert trace[0] == 0, trace
+    else:
+        assert trace[0] == coord.gpu_bytes and trace[1] == coord.gpu_bytes, trace
+        assert trace[-1] == 0, trace
+
+
 def train_in_lockstep(ref, opt, coord, steps):
     """The same steps on the reference (plain optimizer) and on the offloaded one."""
     for step in steps:
