@@ -73,9 +73,9 @@ class Calibration:
         self.auto_choice = choice
         self.auto_fraction_at = None
         # Whether to calibrate once more: the job does if any rank needs it. Not in the very next
-        # iteration: the first one at a new fraction maps the memory its layout needs (the state
-        # kept resident now sits where the whole state was off) inside its first forward, which
-        # then reads long, and `refine` takes the second calibration's first forward as measured.
+        # iteration: the first one at a new fraction makes new device allocations and runs longer
+        # (likely its layout's memory mapped as it goes), while `refine` takes the second
+        # calibration's first forward as measured. See [Note: second calibration] in docs/design.md.
         if first is None and self._any_in_group(auto_fraction.needs_second_calibration(choice)):
             self.auto_fraction_at = self._iterations_done + 2
         self._trace(f"auto_fraction:{choice.fraction:.2f}")

@@ -17,6 +17,8 @@ Invariants:
 * A chunk's `ready` event is recorded right after its last piece. Until then the chunk is
   `pending` and has no `ready`: whoever needs it (a free, a take-back, a phase switch, a re-pack)
   calls `flush` first, which enqueues every piece up to that chunk from the caller's thread.
+* A chunk's `ready` is set before it leaves `pending`, so a caller that reads `pending()` without
+  the lock (`OptimizerStateOffloader.copied_out`) and finds it False also finds its `ready`.
 * Enqueuing and `flush` hold one lock, so a piece is enqueued at least once and leaves the queue
   only once all its bookkeeping is done (a failure half-way enqueues the same copy again later,
   which writes the same bytes). If the thread fails, it says so in the log and the callers enqueue

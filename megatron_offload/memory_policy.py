@@ -83,9 +83,11 @@ class MemoryPolicy:
         activations, what is left between them are holes that a later large request (the fp32
         logits) fits in none of: it maps new memory, and the reserved peak keeps part of what was
         offloaded. Freed together, adjacent chunk blocks merge before any activation takes part
-        of them. Where the copy-out is still running, nothing changes: freeing early would stall
-        the compute stream. Off by default until measured on large models (benchmark's
-        @freecopied). See [Note: free when copied out] in docs/design.md."""
+        of them (with expandable segments; without, each chunk is a segment of its own). Where the
+        copy-out is still running, nothing changes: freeing early would stall the compute stream.
+        Off by default (benchmark's @freecopied): a chunk freed earlier is eligible for a reload
+        later (`_after`), which can move reloads from the last backward to before the step. See
+        [Note: free when copied out] in docs/design.md."""
         pending = self._chunks(ChunkState.COPYING_OUT)
         if pending and all(off.copied_out(chunk) for off, chunk in pending):
             self._free_until(0, position=h)

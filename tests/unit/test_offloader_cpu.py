@@ -1209,30 +1209,60 @@ class _FinishedCopy:
         pass
 
 
-@pytest.mark.parametrize("copies_done", [True, False])
+@pytest.mark.parametrize("copies_done", [True, False, "some"])
 @pytest.mark.parametrize("free_when_copied_out", [True, False])
 def test_a_finished_copy_out_is_freed_whole_at_the_first_hook_only_when_asked(free_when_copied_out, copies_done):
     """With `free_when_copied_out` the first forward hook that finds every copy-out finished frees
-    all of it; a copy still running (or the switch off) leaves the budget's late frees as they
-    were. Training stays bit-exact either way."""
+    all of it; a copy still running (all or only some of them; or the switch off) leaves the
+    budget's late frees as they were. Training stays bit-exact either way."""
     layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
                        free_when_copied_out=free_when_copied_out)
     coord.add_optimizer(opt)
-    coord.streams.record = lambda stream: _FinishedCopy(copies_done)
+    recorded = []
+
+    def record(stream):  # ("some": every other copy still running)
+        recorded.append(1)
+        return _FinishedCopy(copies_done if copies_done != "some" else len(recorded) % 2 == 0)
+
+    coord.streams.record = record
     for step in range(4):
         trace = []
         simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=trace)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
     # (the last iteration: the growth profile is known, so the budget alone frees late)
-    if free_when_copied_out and copies_done:
+    if free_when_copied_out and copies_done is True:
         assert trace[0] == 0, trace
     else:
         assert trace[0] == coord.gpu_bytes and trace[1] == coord.gpu_bytes, trace
         assert trace[-1] == 0, trace
+
+
+def test_a_chunk_is_copied_out_only_with_no_piece_queued_or_running():
+    """`copied_out`: a chunk the copy feeder still holds pieces of is not out, even without a
+    `ready` event yet (that is what a free would then wait for); otherwise its event decides, and
+    a chunk whose host copy was current (no event) is out."""
+    import types
+
+    opt = FakeDistOpt()
+    coord = make_coord()
+    off = coord.add_optimizer(opt)
+    one_iteration(opt, coord, 0)
+    chunk = off.chunks[0]
+    queued = {True}
+    off.feeder = types.SimpleNamespace(pending=lambda c: True in queued)
+    chunk.ready = None
+    assert not off.copied_out(chunk)
+    queued.clear()
+    assert off.copied_out(chunk)
+    chunk.ready = _FinishedCopy(False)
+    assert not off.copied_out(chunk)
+    chunk.ready = _FinishedCopy(True)
+    assert off.copied_out(chunk)
+    off.feeder, chunk.ready = None, None
 
 
 def train_in_lockstep(ref, opt, coord, steps):
