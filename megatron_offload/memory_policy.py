@@ -60,19 +60,21 @@ class MemoryPolicy:
             self.profile.append(growth)
         if not self._chunks(ChunkState.COPYING_OUT):
             return
-        if self.peak_growth is None:
-            budget = 0
-        else:
-            # After the last hook nothing is sampled until the forward's end, and what runs there
-            # (output layer, loss) may allocate temporaries above the end's level and free them
-            # before it: the growth at the end (`profile_end`) would leave chunks resident through
-            # that transient, which is then the iteration's peak. So the last interval counts as
-            # reaching P: everything still copying out is freed at the last hook.
-            upcoming = self.profile[h + 1] if h + 1 < len(self.profile) else self.peak_growth
-            budget = max(0, self.peak_growth - upcoming - self.config.margin_bytes)
-        self._free_until(budget, position=h)
+        self._free_until(self._budget_at(h), position=h)
         if self.config.free_when_copied_out:
             self._free_when_copied_out(h)
+
+    def _budget_at(self, h: int) -> int:
+        """State bytes that may stay allocated once hook `h` has freed (module docstring)."""
+        if self.peak_growth is None:
+            return 0
+        # After the last hook nothing is sampled until the forward's end, and what runs there
+        # (output layer, loss) may allocate temporaries above the end's level and free them
+        # before it: the growth at the end (`profile_end`) would leave chunks resident through
+        # that transient, which is then the iteration's peak. So the last interval counts as
+        # reaching P: everything still copying out is freed at the last hook.
+        upcoming = self.profile[h + 1] if h + 1 < len(self.profile) else self.peak_growth
+        return max(0, self.peak_growth - upcoming - self.config.margin_bytes)
 
     def _free_when_copied_out(self, h: int) -> None:
         """Once every chunk still COPYING_OUT has finished its copy, free them all before layer `h`
@@ -85,12 +87,26 @@ class MemoryPolicy:
         offloaded. Freed together, adjacent chunk blocks merge before any activation takes part
         of them (with expandable segments; without, each chunk is a segment of its own). Where the
         copy-out is still running, nothing changes: freeing early would stall the compute stream.
-        Off by default (benchmark's @freecopied): a chunk freed earlier is eligible for a reload
-        later (`_after`), which can move reloads from the last backward to before the step. See
-        [Note: free when copied out] in docs/design.md."""
+        A chunk freed here keeps the reload position (`freed_at`, see `_after`) of the hook at which
+        the budget would have freed it: recorded at this hook, it could come back only once the
+        backward had passed this hook, later than with the budget's frees, and its wait would move
+        from the last backward to before the step; `_fitting` still keeps a reload out of memory
+        that activations hold. Off by default (benchmark's @freecopied). See [Note: free when
+        copied out] in docs/design.md."""
         pending = self._chunks(ChunkState.COPYING_OUT)
-        if pending and all(off.copied_out(chunk) for off, chunk in pending):
-            self._free_until(0, position=h)
+        if not pending or not all(off.copied_out(chunk) for off, chunk in pending):
+            return
+        # Each chunk keeps the reload position of the hook whose budget would have freed it, in
+        # `_free_until`'s order: the frees move earlier, the reloads do not move later.
+        due, hook, last = {}, h, max(h, len(self.profile) - 1)
+        remaining = sum(chunk.gpu_nbytes for _, chunk in pending)
+        for _, chunk in sorted(pending, key=lambda pair: -pair[1].address):
+            while hook < last and remaining <= self._budget_at(hook):
+                hook += 1
+            due[id(chunk)] = hook
+            remaining -= chunk.gpu_nbytes
+        self._free_until(0, position=h)
+        self.it.freed_at.update(due)
 
     def _free_until(self, budget: int, position: Optional[int] = None) -> int:
         """Free COPYING_OUT chunks (in order) until at most `budget` of them stay allocated.

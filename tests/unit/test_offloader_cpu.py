@@ -1241,6 +1241,33 @@ def test_a_finished_copy_out_is_freed_whole_at_the_first_hook_only_when_asked(fr
         assert trace[-1] == 0, trace
 
 
+def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_given_them():
+    """`free_when_copied_out` moves the frees to the first hook, not the reloads: each chunk's
+    `freed_at` (the backward position after which it may come back) is the hook at which the
+    budget frees it without the switch."""
+    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+    positions = {}
+    for switch in (False, True):
+        opt, ref = FakeDistOpt(), FakeDistOpt()
+        mem, ref_mem = SimulatedMemory(opt), SimulatedMemory(ref)
+        coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
+                           max_memory_allocated=mem.max_allocated, free_when_copied_out=switch)
+        coord.add_optimizer(opt)
+        coord.streams.record = lambda stream: _FinishedCopy(True)
+        seen = []
+        forward_end = coord.forward_end
+        coord.forward_end = lambda: (seen.append(sorted(coord.it.freed_at.values())), forward_end())[1]
+        for step in range(4):
+            trace = []
+            simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=trace)
+            assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        positions[switch] = seen[-2]  # (the last iteration's first forward)
+        assert (trace[0] == 0) == switch, trace
+    assert len(set(positions[False])) > 1, positions  # the budget spreads the frees over hooks
+    assert positions[True] == positions[False], positions
+
+
 def test_a_chunk_is_copied_out_only_with_no_piece_queued_or_running():
     """`copied_out`: a chunk the copy feeder still holds pieces of is not out, even without a
     `ready` event yet (that is what a free would then wait for); otherwise its event decides, and
