@@ -64,7 +64,9 @@ class IterationRecord:
     backwards: int = 0  # backwards begun
     position: int = 0  # pacing modules entered in the current training forward
     sample: Optional[ForwardSample] = None  # of the first forward, when it sampled
-    freed_at: Dict[int, Optional[int]] = dataclasses.field(default_factory=dict)  # id(chunk) -> layer
+    # id(chunk) -> its reload position: the layer it was freed before (or whose budget would have
+    # freed it: MemoryPolicy._free_when_copied_out)
+    freed_at: Dict[int, Optional[int]] = dataclasses.field(default_factory=dict)
     forward_end_max: int = 0  # highest allocated level at a forward's end with state off
     workspace_mark: Optional[int] = None  # allocator total at the last backward hook (first backward)
     stepped: Set[int] = dataclasses.field(default_factory=set)  # id() of offloaders that stepped

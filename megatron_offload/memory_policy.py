@@ -13,8 +13,9 @@ Unknown P (first offloaded iteration) makes the budget 0: free everything at the
 Reloads in the last backward(s) follow the same rule in reverse: a chunk comes back when
 allocated + its bytes stays below the highest allocated level seen at the end of a forward in
 this iteration, which the state was already off for, and, since *reserved* memory is what runs
-out, only once the backward has finished the layers that ran after its free and the caching
-allocator holds one free block that takes it (`_reload_up_to`, `_fitting`).
+out, only once the backward has finished the layers that ran after its free (its reload position,
+`IterationRecord.freed_at`: with `free_when_copied_out` the hook whose budget would have freed it)
+and the caching allocator holds one free block that takes it (`_reload_up_to`, `_fitting`).
 """
 
 from __future__ import annotations
@@ -87,20 +88,21 @@ class MemoryPolicy:
         offloaded. Freed together, adjacent chunk blocks merge before any activation takes part
         of them (with expandable segments; without, each chunk is a segment of its own). Where the
         copy-out is still running, nothing changes: freeing early would stall the compute stream.
-        A chunk freed here keeps the reload position (`freed_at`, see `_after`) of the hook at which
-        the budget would have freed it: recorded at this hook, it could come back only once the
-        backward had passed this hook, later than with the budget's frees, and its wait would move
-        from the last backward to before the step; `_fitting` still keeps a reload out of memory
-        that activations hold. Off by default (benchmark's @freecopied). See [Note: free when
-        copied out] in docs/design.md."""
+        The reload position (`freed_at`, see `_after`) of a chunk freed here is the hook k at which
+        `_free_until(self._budget_at(k))` would have freed it (same order, same profile), so that it
+        becomes eligible for a reload when it would have without the switch: its memory may hold
+        activations of hooks h..k-1 until their backward, and only `_fitting` keeps its reload out
+        of new memory. Off by default (benchmark's @freecopied). See [Note: free when copied out]
+        in docs/design.md."""
         pending = self._chunks(ChunkState.COPYING_OUT)
         if not pending or not all(off.copied_out(chunk) for off, chunk in pending):
             return
-        # Each chunk keeps the reload position of the hook whose budget would have freed it, in
-        # `_free_until`'s order: the frees move earlier, the reloads do not move later.
+        # The budget's frees at the later hooks, replayed: on entry `remaining <= _budget_at(h)`
+        # (hook h's own frees just ran), and `profile[k + 1]`, which `_budget_at(k)` reads, is not
+        # updated before hook k + 1, so the values read now are those the later hooks would see.
         due, hook, last = {}, h, max(h, len(self.profile) - 1)
         remaining = sum(chunk.gpu_nbytes for _, chunk in pending)
-        for _, chunk in sorted(pending, key=lambda pair: -pair[1].address):
+        for _, chunk in _in_free_order(pending):
             while hook < last and remaining <= self._budget_at(hook):
                 hook += 1
             due[id(chunk)] = hook
@@ -118,7 +120,7 @@ class MemoryPolicy:
         # hole goes there rather than above every chunk still resident, which would raise the
         # high-water mark of the segment, i.e. *reserved* memory. Without expandable segments
         # each chunk is a segment of its own and the order does not matter.
-        pending = sorted(self._chunks(ChunkState.COPYING_OUT), key=lambda pair: -pair[1].address)
+        pending = _in_free_order(self._chunks(ChunkState.COPYING_OUT))
         remaining = sum(c.gpu_nbytes for _, c in pending)
         chosen = []
         for off, chunk in pending:
@@ -154,7 +156,9 @@ class MemoryPolicy:
 
         `position`: the backward has finished every pacing module after this one. A chunk freed
         before module h is then only eligible once h > position, i.e. once the activations that
-        may have been placed in its memory (those of modules h, h+1, ...) are released. Reloading
+        may have been placed in its memory (those of modules h, h+1, ...) are released (a chunk
+        `_free_when_copied_out` freed earlier than its budget would have is eligible from that
+        budget's hook on, and `_fitting` alone keeps it out of memory activations still hold). Reloading
         earlier, by `allocated` alone, finds enough free bytes but not in one piece: the caching
         allocator then creates a new segment and *reserved* memory grows by the chunk while
         allocated looks fine. Latest-freed chunks come back first, mirroring the order in which
@@ -346,8 +350,14 @@ def _by_offloader(pairs):
     return list(grouped.values())
 
 
+def _in_free_order(pairs):
+    """(offloader, chunk) pairs in the order `_free_until` frees them: highest address first."""
+    return sorted(pairs, key=lambda pair: -pair[1].address)
+
+
 def _after(freed_at: Optional[int], position: int) -> bool:
-    """Chunk freed before module `freed_at` is eligible once the backward finished it."""
+    """A chunk whose reload position is `freed_at` (the module it was freed before, or where its
+    budget would have freed it: `_free_when_copied_out`) is eligible once the backward finished it."""
     return freed_at is None or freed_at > position
 
 

@@ -1241,22 +1241,28 @@ def test_a_finished_copy_out_is_freed_whole_at_the_first_hook_only_when_asked(fr
         assert trace[-1] == 0, trace
 
 
-def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_given_them():
+@pytest.mark.parametrize("margin", [1024, 4464])  # (4464: a hook whose budget equals what remains)
+def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_given_them(margin):
     """`free_when_copied_out` moves the frees to the first hook, not the reloads: each chunk's
     `freed_at` (the backward position after which it may come back) is the hook at which the
-    budget frees it without the switch."""
-    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+    budget frees it without the switch, chunk by chunk in address order."""
+    layer_bytes, logits_bytes = 40_000, 30_000
     positions = {}
     for switch in (False, True):
         opt, ref = FakeDistOpt(), FakeDistOpt()
         mem, ref_mem = SimulatedMemory(opt), SimulatedMemory(ref)
         coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
                            max_memory_allocated=mem.max_allocated, free_when_copied_out=switch)
-        coord.add_optimizer(opt)
+        off = coord.add_optimizer(opt)
         coord.streams.record = lambda stream: _FinishedCopy(True)
-        seen = []
-        forward_end = coord.forward_end
-        coord.forward_end = lambda: (seen.append(sorted(coord.it.freed_at.values())), forward_end())[1]
+        by_address, seen = [], []
+        forward_begin, forward_end = coord.forward_begin, coord.forward_end
+        # (each run's chunks in descending address order before the forward frees any, and their
+        # positions at its end)
+        coord.forward_begin = lambda *a: (by_address.append(sorted(off.chunks, key=lambda c: -c.address)),
+                                          forward_begin(*a))[1]
+        coord.forward_end = lambda: (seen.append([coord.it.freed_at.get(id(c)) for c in by_address[-1]]),
+                                     forward_end())[1]
         for step in range(4):
             trace = []
             simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
@@ -1264,7 +1270,7 @@ def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_give
             assert_bitwise_equal(snapshot(ref), snapshot(opt))
         positions[switch] = seen[-2]  # (the last iteration's first forward)
         assert (trace[0] == 0) == switch, trace
-    assert len(set(positions[False])) > 1, positions  # the budget spreads the frees over hooks
+    assert None not in positions[False] and len(set(positions[False])) > 1, positions  # spread over hooks
     assert positions[True] == positions[False], positions
 
 
