@@ -108,11 +108,11 @@ SMALL_STEP_BUDGET = ["--offload-step-budget-mb", "64"]
 
 def offload_args(case):
     """The plugin's arguments of the case's offloading runs (--offload-extra last, so that it wins)."""
-    if case.endswith("-whole"):
-        return OFFLOAD + ["--offload-step", "whole"] + OFFLOAD_EXTRA
-    if case.endswith("-chunked"):
-        return OFFLOAD + SMALL_STEP_BUDGET + OFFLOAD_EXTRA
-    return OFFLOAD + OFFLOAD_EXTRA
+    engine = (["--offload-step", "whole"] if case.endswith("-whole")
+              else SMALL_STEP_BUDGET if case.endswith("-chunked") else [])
+    return OFFLOAD + engine + OFFLOAD_EXTRA
+
+
 # Checkpoint runs resuming the case's own runs: which run's checkpoint, and with offloading?
 RESUMES = {"resume_offload": ("offload", True), "resume_plain": ("offload", False),
            "plain_to_offload": ("baseline", True)}
