@@ -70,8 +70,10 @@ class OffloadConfig:
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
     backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)
     host_waits_at_free: bool = False  # the forward's frees also block the host
-    # Once every copy-out of the iteration has finished, the next layer hook of the first forward
-    # frees all of it, not only what the budget asks (MemoryPolicy._free_when_copied_out).
+    # Where every copy-out of the iteration has finished before the first forward's first layer,
+    # that hook frees all of it, not only what the budget asks (MemoryPolicy._free_when_copied_out).
+    free_copied_before_forward: bool = True
+    # The same at any layer hook of the first forward (a diagnostic: the benchmark's @freecopied).
     free_when_copied_out: bool = False
     # The fallback reload first hands mapped free memory back when the chunks fit no free block
     # (MemoryPolicy._room_for_fallback).

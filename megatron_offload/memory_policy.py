@@ -9,12 +9,13 @@ exceeds A0 - S + P, P being the iteration's peak growth; with r(t) state bytes s
 that means r(t) + g(t) <= P. At each layer's forward pre-hook we free chunks until
 r <= P - g(next hook) - margin, g being the growth profile measured on earlier iterations; after
 the last hook (output layer and loss, unsampled until the forward's end) the budget is 0.
-Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook.
+Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook;
+so does a copy-out already finished there (nothing left to pace: `_free_when_copied_out`).
 Reloads in the last backward(s) follow the same rule in reverse: a chunk comes back when
 allocated + its bytes stays below the highest allocated level seen at the end of a forward in
 this iteration, which the state was already off for, and, since *reserved* memory is what runs
 out, only once the backward has finished the layers that ran after its free (its reload position,
-`IterationRecord.freed_at`: with `free_when_copied_out` the hook whose budget would have freed it)
+`IterationRecord.freed_at`: for a chunk `_free_when_copied_out` freed, the hook whose budget would have)
 and the caching allocator holds one free block that takes it (`_reload_up_to`, `_fitting`).
 """
 
@@ -62,7 +63,7 @@ class MemoryPolicy:
         if not self._chunks(ChunkState.COPYING_OUT):
             return
         self._free_until(self._budget_at(h), position=h)
-        if self.config.free_when_copied_out:
+        if self.config.free_when_copied_out or (h == 0 and self.config.free_copied_before_forward):
             self._free_when_copied_out(h)
 
     def _budget_at(self, h: int) -> int:
@@ -79,7 +80,8 @@ class MemoryPolicy:
 
     def _free_when_copied_out(self, h: int) -> None:
         """Once every chunk still COPYING_OUT has finished its copy, free them all before layer `h`
-        (no stream waits for anything), not only what the budget asks.
+        (no stream waits for anything), not only what the budget asks. Called at the first layer
+        (`free_copied_before_forward`, on by default) and, with `free_when_copied_out`, at every layer.
 
         Why: the budget frees a chunk at a time as the activations grow, and each freed block is
         then cut up by the activations placed in it. Where the state is small against the
@@ -92,8 +94,10 @@ class MemoryPolicy:
         `_free_until(self._budget_at(k))` would have freed it (same order, same profile), so that it
         becomes eligible for a reload when it would have without the switch: its memory may hold
         activations of hooks h..k-1 until their backward, and only `_fitting` keeps its reload out
-        of new memory. Off by default (benchmark's @freecopied). See [Note: free when copied out]
-        in docs/design.md."""
+        of new memory. At the first layer nothing is lost: no activation of this forward holds
+        memory yet, and the budget's frees had no copy to wait for. At later layers the early
+        frees moved reloads to before the step on R1 at DP2, hence off there by default (the
+        benchmark's @freecopied). See [Note: free when copied out] in docs/design.md."""
         pending = self._chunks(ChunkState.COPYING_OUT)
         if not pending or not all(off.copied_out(chunk) for off, chunk in pending):
             return

@@ -80,6 +80,9 @@ MODIFIERS = {
     # Once the whole copy-out has finished, the next forward hook frees all of it (not only what
     # the budget asks: OffloadConfig.free_when_copied_out).
     "freecopied": {"MEGATRON_OFFLOAD_FREE_COPIED": "1"},
+    # Not even at the first hook: the budget paces a copy-out finished before the forward too
+    # (OffloadConfig.free_copied_before_forward off).
+    "nofreefirst": {"MEGATRON_OFFLOAD_FREE_COPIED_FIRST": "0"},
     # Megatron's own reads after the step (megatron_reads.py off: the model-parallel reductions and
     # train's loss-scale read): each reads the GPU, behind the copy-out in flight.
     "devreads": {"MEGATRON_OFFLOAD_DEVICE_READS": "1"},

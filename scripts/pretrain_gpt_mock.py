@@ -377,6 +377,7 @@ DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_BACKWARD_RELOADS": ("backward_reloads", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_HOST_WAIT": ("host_waits_at_free", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_FREE_COPIED": ("free_when_copied_out", lambda v: v == "1"),
+    "MEGATRON_OFFLOAD_FREE_COPIED_FIRST": ("free_copied_before_forward", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_HOST_LEAD": ("host_lead_layers", int),
     "MEGATRON_OFFLOAD_FALLBACK_RELEASE": ("release_before_unfitted_reload", lambda v: v != "0"),
     # "run": the calibration under the run's own bound; a number: that many layers.

@@ -582,14 +582,19 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
         coord.optimizer_step_done()
 
 
-def warmed_up_pair(layer_bytes, logits_bytes, margin, **iteration_kw):
+def warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=False, **iteration_kw):
     """A reference optimizer and an offloaded one, each with its simulated memory, after the two
-    iterations that measure the growth profile: (ref, opt, ref_mem, mem, coord)."""
+    iterations that measure the growth profile: (ref, opt, ref_mem, mem, coord). With
+    `copies_running` every copy-out is still in flight when the forward frees (as on a GPU where
+    the copy-out runs into the forward), so the budget paces the frees; else (CPU copies are
+    synchronous) the copy-out is over by the first hook, which then frees it all."""
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
                        max_memory_allocated=mem.max_allocated)
     coord.add_optimizer(opt)
+    if copies_running:
+        coord.streams.record = lambda stream: _FinishedCopy(False)
     for step in range(2):
         simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, **iteration_kw)
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, **iteration_kw)
@@ -598,7 +603,7 @@ def warmed_up_pair(layer_bytes, logits_bytes, margin, **iteration_kw):
 
 def test_memory_budget_frees_late_and_takes_state_off_the_peak():
     layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
-    ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin)
+    ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=True)
     state = coord.state_bytes
     assert state > 0
     ref_mem.max = mem.max = 0
@@ -1168,6 +1173,9 @@ class _CopyEvent:
     def __init__(self, log):
         self.log = log
 
+    def query(self):
+        return False  # (in flight: the forward's frees wait for it)
+
     def synchronize(self):
         self.log.append(self)
 
@@ -1197,34 +1205,39 @@ def test_the_forwards_frees_make_the_host_wait_for_the_copy_out(host_waits):
 
 
 class _FinishedCopy:
-    """A copy's event whose copy is over (`done`) or still running."""
+    """A copy's event whose copy is over (`done`: a bool, or a callable asked at each query) or
+    still running."""
 
     def __init__(self, done):
         self.done = done
 
     def query(self):
-        return self.done
+        return self.done() if callable(self.done) else self.done
 
     def synchronize(self):
         pass
 
 
-@pytest.mark.parametrize("copies_done", [True, False, "some"])
-@pytest.mark.parametrize("free_when_copied_out", [True, False])
-def test_a_finished_copy_out_is_freed_whole_at_the_first_hook_only_when_asked(free_when_copied_out, copies_done):
-    """With `free_when_copied_out` the first forward hook that finds every copy-out finished frees
-    all of it; a copy still running (all or only some of them; or the switch off) leaves the
+@pytest.mark.parametrize("copies_done", [True, False, "some", "from-the-second-hook"])
+@pytest.mark.parametrize("rule", ["off", "before-forward", "any-hook"])
+def test_a_finished_copy_out_is_freed_whole_only_where_the_rule_allows(rule, copies_done):
+    """Where every copy-out has finished by the first forward's first hook, that hook frees all of
+    it (`free_copied_before_forward`, the default); with `free_when_copied_out` so does any later
+    hook that first finds them finished. A copy still running (all or only some of them), one
+    that finishes after the first hook under the first rule alone, or both rules off leave the
     budget's late frees as they were. Training stays bit-exact either way."""
     layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
-                       free_when_copied_out=free_when_copied_out)
+                       free_copied_before_forward=rule != "off", free_when_copied_out=rule == "any-hook")
     coord.add_optimizer(opt)
     recorded = []
 
     def record(stream):  # ("some": every other copy still running)
         recorded.append(1)
+        if copies_done == "from-the-second-hook":  # (hook h runs with `position` h + 1)
+            return _FinishedCopy(lambda: coord.it.position >= 2)
         return _FinishedCopy(copies_done if copies_done != "some" else len(recorded) % 2 == 0)
 
     coord.streams.record = record
@@ -1234,16 +1247,18 @@ def test_a_finished_copy_out_is_freed_whole_at_the_first_hook_only_when_asked(fr
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=trace)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
     # (the last iteration: the growth profile is known, so the budget alone frees late)
-    if free_when_copied_out and copies_done is True:
+    assert trace[-1] == 0, trace
+    if copies_done is True and rule != "off":
         assert trace[0] == 0, trace
+    elif copies_done == "from-the-second-hook" and rule == "any-hook":
+        assert trace[0] == coord.gpu_bytes and trace[1] == 0, trace
     else:
-        assert trace[0] == coord.gpu_bytes and trace[1] == coord.gpu_bytes, trace
-        assert trace[-1] == 0, trace
+        assert trace[0] == coord.gpu_bytes and trace[1] == coord.gpu_bytes and trace[2] > 0, trace
 
 
 @pytest.mark.parametrize("margin", [1024, 4464])  # (4464: a hook whose budget equals what remains)
 def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_given_them(margin):
-    """`free_when_copied_out` moves the frees to the first hook, not the reloads: each chunk's
+    """Freeing a finished copy-out at the first hook moves the frees, not the reloads: each chunk's
     `freed_at` (the backward position after which it may come back) is the hook at which the
     budget frees it without the switch, chunk by chunk in address order."""
     layer_bytes, logits_bytes = 40_000, 30_000
@@ -1252,7 +1267,7 @@ def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_give
         opt, ref = FakeDistOpt(), FakeDistOpt()
         mem, ref_mem = SimulatedMemory(opt), SimulatedMemory(ref)
         coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
-                           max_memory_allocated=mem.max_allocated, free_when_copied_out=switch)
+                           max_memory_allocated=mem.max_allocated, free_copied_before_forward=switch)
         off = coord.add_optimizer(opt)
         coord.streams.record = lambda stream: _FinishedCopy(True)
         by_address, seen = [], []
