@@ -4,7 +4,7 @@ One coordinator per process drives every `OptimizerStateOffloader` (dense, exper
 device through one training iteration:
 
     step ──▶ next forward begins: copy out (D2H enqueued; nothing freed yet)
-         ──▶ first forward: free chunks layer by layer, as late as the memory budget allows
+         ──▶ first forward: free chunks layer by layer as late as the budget allows (all at once if copied)
          ──▶ ... microbatches (all state off the GPU at every activation peak) ...
          ──▶ last backward(s): reload chunks as the backward frees activations
          ──▶ finalize_model_grads: reload whatever is left (fallback trigger)
@@ -203,8 +203,8 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
 
         It counts the module's position in the forward (what `layer_backward_begin` refers to).
         In the iteration's first forward it also samples the activation growth and frees the
-        chunks being copied out down to the budget that leaves the next module its growth (module
-        docstring of memory_policy.py). Does nothing before the iteration's first training
+        chunks being copied out down to the budget that leaves the next module its growth, or all
+        of them once copied (memory_policy.py's docstring). Does nothing before the first training
         forward (an evaluation between steps) and inside a backward (the recomputation of a
         checkpointed layer); a forward without autograd (full activation recompute) counts."""
         # A recomputation inside the backward does not count. A forward without autograd does:

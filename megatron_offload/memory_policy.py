@@ -52,7 +52,8 @@ class MemoryPolicy:
     def _pace_layer(self, h: int) -> None:
         """Layer `h` of the iteration's first forward is about to run (`layer_forward_begin`):
         record the activation growth so far, and free the chunks being copied out down to the
-        budget that leaves layer h+1 its growth (module docstring)."""
+        budget that leaves layer h+1 its growth (module docstring), or all of them where their
+        copy-out is already over (`_free_when_copied_out`)."""
         if self.it.sample is None or not self.it.sample.active:
             return
         growth = self._growth()
@@ -94,9 +95,9 @@ class MemoryPolicy:
         `_free_until(self._budget_at(k))` would have freed it (same order, same profile), so that it
         becomes eligible for a reload when it would have without the switch: its memory may hold
         activations of hooks h..k-1 until their backward, and only `_fitting` keeps its reload out
-        of new memory. At the first layer nothing is lost: no activation of this forward holds
-        memory yet, and the budget's frees had no copy to wait for. At later layers the early
-        frees moved reloads to before the step on R1 at DP2, hence off there by default (the
+        of new memory. At the first layer the rule fires only where the copy-out ended before the
+        forward began, so the forward never waits on it either way; its cost on the reloads is the
+        same as at later layers. At later layers it was measured slower, hence off by default (the
         benchmark's @freecopied). See [Note: free when copied out] in docs/design.md."""
         pending = self._chunks(ChunkState.COPYING_OUT)
         if not pending or not all(off.copied_out(chunk) for off, chunk in pending):

@@ -628,7 +628,8 @@ def test_a_peak_between_the_last_layer_and_the_forward_end_finds_the_state_off()
     the forward's end misses that transient; a budget taken from it kept 0.18 GiB of state
     resident through the iteration's peak (allocated 3.38 GiB against 3.20 possible)."""
     layer_bytes, logits_bytes, transient, margin = 40_000, 30_000, 50_000, 1024
-    ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin, loss_transient=transient)
+    ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=True,
+                                                   loss_transient=transient)
     state = coord.state_bytes
     assert transient - margin > coord.offloaders[0].chunks[0].gpu_nbytes  # room for a chunk to stay
     ref_mem.max = mem.max = 0
@@ -857,16 +858,20 @@ def test_a_save_reads_offloaded_state_from_the_host_and_a_load_brings_it_back():
         assert all(torch.all(t == 0.25) for t in replaced)
 
 
-def test_reload_waits_until_the_backward_released_what_reused_the_chunk():
+@pytest.mark.parametrize("copies_running", [True, False])
+def test_reload_waits_until_the_backward_released_what_reused_the_chunk(copies_running):
     """A chunk freed before layer h may hold activations of layers h, h+1, ...: reloading it
     before their backward finished makes the caching allocator grow a new segment. Every reload
-    in the backward must come after the layers that ran after its free."""
+    in the backward must come after the layers that ran after its free (with the copy-out over
+    before the forward, all are freed at its first hook: after the hook whose budget would have)."""
     layer_bytes, logits_bytes = 40_000, 30_000
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated,
                        max_memory_allocated=mem.max_allocated)
     coord.add_optimizer(opt)
+    if copies_running:
+        coord.streams.record = lambda stream: _FinishedCopy(False)
     reloads = []  # (position the backward has reached, position before which the chunk was freed)
 
     def recording(report, position_now):
@@ -1256,20 +1261,27 @@ def test_a_finished_copy_out_is_freed_whole_only_where_the_rule_allows(rule, cop
         assert trace[0] == coord.gpu_bytes and trace[1] == coord.gpu_bytes and trace[2] > 0, trace
 
 
+@pytest.mark.parametrize("rule", ["first-hook", "every-hook"])
 @pytest.mark.parametrize("margin", [1024, 4464])  # (4464: a hook whose budget equals what remains)
-def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_given_them(margin):
-    """Freeing a finished copy-out at the first hook moves the frees, not the reloads: each chunk's
+def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_given_them(margin, rule):
+    """Freeing a finished copy-out at once moves the frees, not the reloads: each chunk's
     `freed_at` (the backward position after which it may come back) is the hook at which the
-    budget frees it without the switch, chunk by chunk in address order."""
+    budget frees it without the rule, chunk by chunk in address order. "first-hook": copies done
+    before the forward, the default rule; "every-hook": copies done from the second hook on,
+    `free_when_copied_out`."""
     layer_bytes, logits_bytes = 40_000, 30_000
     positions = {}
     for switch in (False, True):
         opt, ref = FakeDistOpt(), FakeDistOpt()
         mem, ref_mem = SimulatedMemory(opt), SimulatedMemory(ref)
-        coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
-                           max_memory_allocated=mem.max_allocated, free_copied_before_forward=switch)
+        coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                           free_copied_before_forward=switch and rule == "first-hook",
+                           free_when_copied_out=switch and rule == "every-hook")
         off = coord.add_optimizer(opt)
-        coord.streams.record = lambda stream: _FinishedCopy(True)
+        if rule == "first-hook":
+            coord.streams.record = lambda stream: _FinishedCopy(True)
+        else:  # (hook h runs with `position` h + 1)
+            coord.streams.record = lambda stream, c=coord: _FinishedCopy(lambda: c.it.position >= 2)
         by_address, seen = [], []
         forward_begin, forward_end = coord.forward_begin, coord.forward_end
         # (each run's chunks in descending address order before the forward frees any, and their
@@ -1284,7 +1296,8 @@ def test_chunks_freed_early_keep_the_reload_positions_the_budget_would_have_give
             simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=trace)
             assert_bitwise_equal(snapshot(ref), snapshot(opt))
         positions[switch] = seen[-2]  # (the last iteration's first forward)
-        assert (trace[0] == 0) == switch, trace
+        freed_by = 0 if rule == "first-hook" else 1  # (the hook after which the rule left nothing)
+        assert trace[:freed_by] == [coord.gpu_bytes] * freed_by and (trace[freed_by] == 0) == switch, trace
     assert None not in positions[False] and len(set(positions[False])) > 1, positions  # spread over hooks
     assert positions[True] == positions[False], positions
 
