@@ -260,6 +260,9 @@ def summarize(run, warmup):
         "free_host_wait_ms": [r.get("free_host_wait_ms") for r in ranks],
         "host_lead_waits": [r.get("host_lead_waits") for r in ranks],
         "host_lead_wait_ms": [r.get("host_lead_wait_ms") for r in ranks],
+        # rank 0's growth per pacing hook of the first forward, and its peak (MiB)
+        "growth_profile_mib": [g / 2**20 for g in ranks[0].get("growth_profile") or []],
+        "peak_growth_mib": (ranks[0].get("peak_growth") or 0) / 2**20,
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "auto_calibrations": ranks[0].get("auto_calibrations") or [],  # (rank 0's, as the planner's timeline)

@@ -805,6 +805,11 @@ class Recorder:
                     "free_host_wait_ms": coord.free_host_wait_ms,
                     "host_lead_waits": coord.host_lead.waits,
                     "host_lead_wait_ms": coord.host_lead.wait_ms,
+                    # The first forward's activation growth per pacing hook (running max over the
+                    # iterations) and its peak: the budget's input, against the planner's linear phases.
+                    "growth_profile": list(coord.profile),
+                    "growth_profile_end": coord.profile_end,
+                    "peak_growth": coord.peak_growth,
                 }
         except ImportError:
             pass
