@@ -808,7 +808,6 @@ class Recorder:
                     # The first forward's activation growth per pacing hook (running max over the
                     # iterations) and its peak: the budget's input, against the planner's linear phases.
                     "growth_profile": list(coord.profile),
-                    "growth_profile_end": coord.profile_end,
                     "peak_growth": coord.peak_growth,
                 }
         except ImportError:

@@ -402,15 +402,15 @@ def test_the_benchmark_keeps_every_iteration_and_names_where_reserved_memory_gre
     r = benchmark.summarize(run, warmup=1)
     cols = r["per_iteration"][0]
     assert cols["max_reserved_mib"] == [200, 300, 300, 350]
-    assert r["growth_profile_mib"] == [] and r["peak_growth_mib"] == 0  # (records without the budget's profile)
-    run["ranks"][0].update(growth_profile=[1 << 20, 3 << 20], peak_growth=5 << 20)
-    profiled = benchmark.summarize(run, warmup=1)
-    assert profiled["growth_profile_mib"] == [1.0, 3.0] and profiled["peak_growth_mib"] == 5.0
     assert cols["gc_full"] == [0, 0, 0, 1] and cols["gc_gen1"] == [None] * 4
+    assert r["growth_profile_mib"] == [] and r["peak_growth_mib"] == 0  # (records without the budget's profile)
     benchmark.report({"offload": r}, None)
     out = capsys.readouterr().out
     assert ("offload rank 0: peak reserved MiB per iteration [200, 300, 300, 350]; grew at 2: 200->300 "
             "device_allocs=2; 4: 300->350 gc_full=1 device_allocs=1; full collections in [4]") in out
+    run["ranks"][0].update(growth_profile=[1 << 20, 3 << 20], peak_growth=5 << 20)
+    profiled = benchmark.summarize(run, warmup=1)
+    assert profiled["growth_profile_mib"] == [1.0, 3.0] and profiled["peak_growth_mib"] == 5.0
 
 
 def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow():
