@@ -116,22 +116,34 @@ class TransferStats:
             self._add_completed_copies(totals)
         return totals
 
-    def harvest(self) -> TransferTotals:
-        """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
-        totals = TransferTotals()
-        with self._copies_lock:
-            self._copies = self._add_completed_copies(totals)
-        still_waits = []
+    def _add_completed_waits(self, totals: TransferTotals) -> list:
+        """Add the compute-stream waits whose end event has completed to `totals`; returns the others."""
+        pending = []
         for label, before, after in self._waits:
             if not after.query():
-                still_waits.append((label, before, after))
+                pending.append((label, before, after))
                 continue
             ms = before.elapsed_time(after)
             if label == "d2h":
                 totals.exposed_d2h_ms += ms
             else:
                 totals.exposed_h2d_ms += ms
-        self._waits = still_waits
+        return pending
+
+    def exposed_so_far(self) -> Tuple[float, float]:
+        """(before free, before step) ms the compute stream waited for copies since the start,
+        harvested or completed since; harvests nothing (the periodic log's windows stay whole)."""
+        totals = TransferTotals()
+        self._add_completed_waits(totals)
+        return (self.harvested.exposed_d2h_ms + totals.exposed_d2h_ms,
+                self.harvested.exposed_h2d_ms + totals.exposed_h2d_ms)
+
+    def harvest(self) -> TransferTotals:
+        """Totals of every copy/wait whose events have completed; unfinished ones stay queued."""
+        totals = TransferTotals()
+        with self._copies_lock:
+            self._copies = self._add_completed_copies(totals)
+        self._waits = self._add_completed_waits(totals)
         totals.cumulative_d2h_bytes = self.cumulative_d2h_bytes
         totals.cumulative_h2d_bytes = self.cumulative_h2d_bytes
         for field in ("d2h_bytes", "h2d_bytes", "d2h_ms", "h2d_ms", "exposed_d2h_ms", "exposed_h2d_ms"):

@@ -369,6 +369,15 @@ def memhist_microbatch_marker(microbatch, backward):
 MICROBATCH_MARKER_BASE = 100  # below every iteration marker (1000 + 4 * iteration + k); < 1 MiB: small pool
 
 
+def _plugin_exposed_so_far():
+    """megatron-offload's (before free, before step) wait totals so far, or None without it. Read
+    after the compute stream's sync at an iteration's end, so that iteration's waits are complete.
+    (Looked up, not imported: a run without the plugin stays without it.)"""
+    wiring = sys.modules.get("megatron_offload.megatron_wiring")
+    coord = getattr(wiring, "coordinator", None)
+    return list(coord.streams.stats.exposed_so_far()) if coord is not None else None
+
+
 # The benchmark's diagnostic modes (scripts/benchmark.py's '@' modifiers) as overrides of the
 # plugin's OffloadConfig; the plugin itself reads no such variable.
 DIAGNOSTIC_ENV = {
@@ -595,6 +604,9 @@ class Recorder:
                     **{k: v - gc_counts_before[k] for k, v in _GC_COUNTS.items()},
                     "busy": busy,  # (its time includes the GPU sleep)
                     **{k: v - counters[k] for k, v in _allocator_counters().items()},
+                    # The plugin's compute-stream waits since the start, (before free, before step) ms:
+                    # the benchmark takes the timed iterations' share (start-up offloads excluded).
+                    "exposed_ms": _plugin_exposed_so_far(),
                 }
             )
             return result

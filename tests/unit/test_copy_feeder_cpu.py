@@ -283,3 +283,36 @@ def test_busy_while_pieces_wait_or_the_last_enqueued_runs():
     feeder._in_flight.clear()
     feeder.close()
     assert not feeder.busy()
+
+
+class _Event:
+    """A CUDA event stand-in at time `t` (ms) that has completed or not."""
+
+    def __init__(self, t, done=True):
+        self.t, self.done = t, done
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+def test_the_waits_so_far_count_what_completed_and_leave_the_harvest_whole():
+    """`exposed_so_far`: the harvested waits plus those completed since, per direction; a wait
+    still running counts once it completes; reading harvests nothing, so the periodic log's next
+    harvest still sees every wait."""
+    from megatron_offload.streams import TransferStats
+
+    stats = TransferStats(timing=True)
+    stats._waits = [("d2h", _Event(0.0), _Event(3.0)), ("h2d", _Event(10.0), _Event(15.0))]
+    first = stats.harvest()
+    assert (first.exposed_d2h_ms, first.exposed_h2d_ms) == (3.0, 5.0)
+    running = _Event(27.0, done=False)
+    stats._waits = [("d2h", _Event(20.0), _Event(22.0)), ("h2d", _Event(25.0), running)]
+    assert stats.exposed_so_far() == (5.0, 5.0)
+    running.done = True
+    assert stats.exposed_so_far() == (5.0, 7.0) and stats.exposed_so_far() == (5.0, 7.0)
+    second = stats.harvest()
+    assert (second.exposed_d2h_ms, second.exposed_h2d_ms) == (2.0, 2.0)
+    assert (stats.harvested.exposed_d2h_ms, stats.harvested.exposed_h2d_ms) == stats.exposed_so_far() == (5.0, 7.0)

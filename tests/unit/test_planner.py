@@ -413,6 +413,26 @@ def test_the_benchmark_keeps_every_iteration_and_names_where_reserved_memory_gre
     assert profiled["growth_profile_mib"] == [1.0, 3.0] and profiled["peak_growth_mib"] == 5.0
 
 
+def test_the_benchmark_reports_the_waits_of_the_timed_iterations_beside_the_whole_runs():
+    """The exposed waits per iteration over the timed iterations, from each iteration's cumulative
+    record (the first ones, with the start-up offload's or a calibration's waits, left out), beside
+    the whole run's average; records without the per-iteration totals keep the whole run's."""
+    benchmark = _benchmark()
+    cumulative = [[100.0, 40.0], [190.0, 60.0], [192.0, 70.0], [195.0, 80.0], [197.0, 91.0]]
+    iterations = [{"exposed_ms": c} for c in cumulative]
+    assert benchmark.timed_waits(iterations, warmup=2) == [(197.0 - 190.0) / 3, (91.0 - 60.0) / 3]
+    assert benchmark.timed_waits(iterations, warmup=0) == [197.0 / 5, 91.0 / 5]
+    assert benchmark.timed_waits(iterations, warmup=5) is None  # (nothing timed)
+    assert benchmark.timed_waits([{"exposed_ms": None}] * 3, warmup=1) is None  # (no plugin)
+    assert benchmark.timed_waits([{}] * 3, warmup=1) is None  # (older records)
+    r = {"transfer": {"exposed_d2h_ms": 197.0, "exposed_h2d_ms": 91.0, "iterations": 5},
+         "timed_exposed_ms": benchmark.timed_waits(iterations, warmup=2)}
+    assert benchmark.waits_text(r) == ("before free 2.3 ms, before step 10.3 ms over the timed iterations "
+                                       "(whole run 39.4 / 18.2)")
+    del r["timed_exposed_ms"]
+    assert benchmark.waits_text(r) == "before free 39.4 ms, before step 18.2 ms (whole run)"
+
+
 def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow():
     """median_ms is the start-to-start period (Megatron's work between train_step calls, where a
     read may wait behind the copy-out in flight, included); train_step alone is kept beside it;
