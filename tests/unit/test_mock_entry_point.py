@@ -327,3 +327,23 @@ def test_the_recorder_reads_losses_and_periods_at_the_end():
     loss.add_(1.0)  # (the recorder keeps a copy; here the value was read already)
     assert [it["loss"] for it in iterations] == [(2.5).hex(), None, float(torch.tensor(0.1)).hex()]
     assert [it.get("period_ms") for it in iterations] == [250.0, 500.0, None]
+
+
+def test_the_per_iteration_waits_come_from_a_loaded_plugin_and_never_load_it(monkeypatch):
+    """The recorder's `exposed_ms` per iteration: the plugin's wait totals where its wiring is loaded
+    and attached, None where it is not loaded (without loading it: a run without the plugin stays
+    without it) or attached to nothing."""
+    import types
+
+    import pretrain_gpt_mock
+
+    name = "megatron_offload.megatron_wiring"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert pretrain_gpt_mock._plugin_exposed_so_far() is None
+    assert name not in sys.modules
+    stats = types.SimpleNamespace(exposed_so_far=lambda: (1.5, 2.5))
+    wiring = types.SimpleNamespace(coordinator=types.SimpleNamespace(streams=types.SimpleNamespace(stats=stats)))
+    monkeypatch.setitem(sys.modules, name, wiring)
+    assert pretrain_gpt_mock._plugin_exposed_so_far() == [1.5, 2.5]
+    wiring.coordinator = None
+    assert pretrain_gpt_mock._plugin_exposed_so_far() is None

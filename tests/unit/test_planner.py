@@ -433,6 +433,29 @@ def test_the_benchmark_reports_the_waits_of_the_timed_iterations_beside_the_whol
     assert benchmark.waits_text(r) == "before free 39.4 ms, before step 18.2 ms (whole run)"
 
 
+def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys):
+    """summarize takes rank 0's cumulative waits over iterations[warmup:] (and rank 0's growth
+    profile), and the report's transfer note prints them beside the whole run's average."""
+    benchmark = _benchmark()
+
+    def it(exposed):
+        return {"ms": 10.0, "loss": "0x1p+0", "skipped": 0, "max_allocated": 1 << 20, "max_reserved": 1 << 20,
+                "exposed_ms": exposed}
+
+    rank0 = {"iterations": [it([100.0, 40.0]), it([190.0, 60.0]), it([193.0, 66.0]), it([196.0, 72.0])],
+             "transfer": {"d2h_gbps": 50.0, "h2d_gbps": 50.0, "exposed_d2h_ms": 196.0, "exposed_h2d_ms": 72.0,
+                          "iterations": 4},
+             "growth_profile": [2 << 20], "peak_growth": 4 << 20}
+    rank1 = {"iterations": [it([0.0, 0.0])] * 4, "growth_profile": [9 << 20], "peak_growth": 9 << 20}
+    r = benchmark.summarize({"ranks": [rank0, rank1], "seconds": 1.0}, warmup=2)
+    assert r["timed_exposed_ms"] == [3.0, 6.0]
+    assert r["growth_profile_mib"] == [2.0] and r["peak_growth_mib"] == 4.0
+    benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
+    out = capsys.readouterr().out
+    assert ("exposed waits per iteration: before free 3.0 ms, before step 6.0 ms over the timed iterations "
+            "(whole run 49.0 / 18.0)") in out
+
+
 def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow():
     """median_ms is the start-to-start period (Megatron's work between train_step calls, where a
     read may wait behind the copy-out in flight, included); train_step alone is kept beside it;
