@@ -234,7 +234,7 @@ def write_gpu_timeline(profiler, path):
             continue
         args = e.get("args", {})
         rows.append([e["ts"], e["dur"], args.get("stream", e.get("tid")), cat,
-                     args.get("bytes", 0), e.get("name", "")[:60]])
+                     args.get("bytes", 0), e.get("name", "")[:100]])
     rows.sort()
     with gzip.open(path, "wt") as f:
         json.dump(rows, f)
