@@ -114,6 +114,8 @@ class Prediction:
     stall_in_ms: float  # step waiting for the reload
     feasible: bool  # False: X exceeds what an unchunked step allows (or the chunked budget fits)
     sent_in_step: float = 0.0  # bytes already copied out when the step ends (streamed step)
+    # Simulated milliseconds of each of the profile's segments, its stalls included.
+    segment_ms: List[float] = dataclasses.field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -149,7 +151,9 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
     reloaded = sent = 0.0
     t = stall_out = stall_in = 0.0
     behind = 0.0  # how far the GPU lags the host's launches, in baseline milliseconds (module doc)
+    starts = []
     for index, seg in enumerate(profile.segments):
+        starts.append(t)
         done = 0.0  # baseline milliseconds of this segment completed
         rate = (seg.growth_end - seg.growth_start) / seg.ms if seg.ms else 0.0
         speed = seg.speed
@@ -223,7 +227,28 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
     else:
         feasible = x <= profile.max_unchunked_bytes + 1e-6
     return Prediction(x, t, profile.iteration_ms, stall_out, stall_in, feasible,
-                      sent if sent_before is not None else 0.0)
+                      sent if sent_before is not None else 0.0,
+                      [end - start for start, end in zip(starts, starts[1:] + [t])])
+
+
+PHASE_GROUPS = ("before the forwards", "first forward", "rest", "last backward", "step")
+
+
+def phase_totals(segments: List[Segment], durations: Optional[List[float]] = None) -> Dict[str, float]:
+    """Milliseconds per PHASE_GROUPS entry: the gaps before the first forward, the first forward, the
+    last backward, the step(s) and everything else, from `durations` (e.g. a prediction's
+    `segment_ms`) or the segments' own `ms`. Comparing a run's measured phases with the simulated
+    ones says where its excess over the floor lies."""
+    durations = [g.ms for g in segments] if durations is None else durations
+    kinds = [g.kind for g in segments]
+    first_forward = kinds.index("forward") if "forward" in kinds else len(kinds)
+    last_backward = len(kinds) - 1 - kinds[::-1].index("backward") if "backward" in kinds else -1
+    totals = dict.fromkeys(PHASE_GROUPS, 0.0)
+    for k, (kind, ms) in enumerate(zip(kinds, durations)):
+        group = ("before the forwards" if k < first_forward else "first forward" if k == first_forward
+                 else "last backward" if k == last_backward else "step" if kind == "step" else "rest")
+        totals[group] += ms
+    return totals
 
 
 def free_bytes(profile: Profile, tolerance: float = 0.005) -> float:

@@ -428,7 +428,11 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         # The floor of the engine the run used: the streamed step's, held to the run's own budget, where
         # the step was chunked and its copy-out fed from the step on (the default engine), else the one above.
         fed = budget and any((r.get("feeder_enqueued_pieces") or [0])[:1])
-        engine = planner.predict(prof, state, step_budget=budget, streamed=True) if fed else pred
+
+        def engine_floor(profile):
+            return planner.predict(profile, state, step_budget=budget, streamed=True) if fed else floor(profile)
+
+        engine = engine_floor(prof) if fed else pred
         rows[name]["engine_floor_ratio"] = engine.ratio
         rows[name]["measured_over_engine_floor_ms"] = measured_over(r, engine.iteration_ms)
         # The same with train_step alone (the modelled iteration spans the baseline's train_step; the
@@ -440,6 +444,12 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
               f"out during the step{'; the floor of this run' if fed else ''})" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
                                           f"{streamed.iteration_ms:.0f} ms" if vs_streamed else "")
               + (f"; the run's own floor, train_step alone: {step_only - 1:+.1%}" if step_only else ""))
+        excess = phase_excess(base, r, prof, engine_floor)
+        if excess:
+            rows[name]["phase_excess_ms"] = excess
+            print(f"planner {name}: measured minus modelled ms per phase (the run's floor, the loop's time as a gap "
+                  f"before the forwards): " + ", ".join(f"{k} {v:+.1f}" for k, v in excess.items())
+                  + f"; in all {sum(excess.values()):+.1f}")
         if name.startswith("offload-auto") or name.startswith("offload-frac"):
             # Issue 3's automatic mode: bytes off the peak against what the planner calls free
             # (the whole state of the baseline, at <= 0.5 % predicted cost).
@@ -459,6 +469,27 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
             for cal in r.get("auto_calibrations") or []:
                 print(f"planner {name}: " + replay_calibration(cal, marks, gbps, both_gbps or 2 * gbps))
     return rows
+
+
+def phase_excess(base, result, prof, engine_floor):
+    """{phase group: measured ms - modelled ms} (planner.phase_totals) of a variant against its
+    engine's floor, or None where either run lacks marks or a start-to-start median. The modelled
+    iteration spans the baseline's marks only; the loop's time outside them (start-to-start median
+    minus the marked span) enters the model as a gap before the first forward, where copies run
+    (it does not change the floor when the copy-out absorbs it), and the run's own loop time is
+    measured the same way."""
+    from megatron_offload import planner
+
+    marks = planner.median_marks([t["marks"] for t in result.get("timelines") or []])
+    if not marks or not base.get("median_ms") or not result.get("median_ms"):
+        return None
+    loop = max(0.0, base["median_ms"] - prof.iteration_ms)
+    gapped = dataclasses.replace(prof, segments=[planner.Segment("gap", loop, 0.0, 0.0)] + prof.segments)
+    modelled = planner.phase_totals(gapped.segments, engine_floor(gapped).segment_ms)
+    own = planner.profile_from_timeline(marks, prof.state_bytes)
+    measured = planner.phase_totals(own.segments)
+    measured["before the forwards"] += max(0.0, result["median_ms"] - own.iteration_ms)
+    return {k: measured[k] - modelled[k] for k in planner.PHASE_GROUPS}
 
 
 def replay_calibration(cal, base_marks, gbps, both_gbps):

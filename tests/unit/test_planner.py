@@ -388,6 +388,59 @@ def test_the_benchmark_also_compares_measured_with_modelled_milliseconds(capsys)
         "measured_over_predicted_ms"] is None
 
 
+def test_simulated_segments_add_up_and_phase_totals_group_them():
+    """segment_ms holds each segment's simulated time (stalls in the segment that waits) and sums
+    to the iteration; phase_totals groups segments as the benchmark's per-phase excess reads them."""
+    prof = PRESETS["r1"]
+    for kwargs in ({}, {"streamed": True}, {"step_budget": 2 * GiB}):
+        p = predict(prof, prof.max_unchunked_bytes if not kwargs else prof.state_bytes, **kwargs)
+        assert len(p.segment_ms) == len(prof.segments)
+        assert sum(p.segment_ms) == pytest.approx(p.iteration_ms)
+        assert all(ms >= g.ms - 1e-6 for ms, g in zip(p.segment_ms, prof.segments))  # (no busy times: no lead)
+    whole = predict(prof, prof.max_unchunked_bytes)
+    assert whole.segment_ms[0] == pytest.approx(prof.segments[0].ms + whole.stall_out_ms)  # the first forward waits
+    segs = [Segment("gap", 2, 0, 0), Segment("forward", 10, 0, 1), Segment("backward", 20, 1, 0),
+            Segment("forward", 11, 0, 1), Segment("backward", 21, 1, 0), Segment("gap", 3, 0, 0),
+            Segment("step", 5, 0, 0)]
+    assert planner.phase_totals(segs) == {"before the forwards": 2, "first forward": 10, "rest": 34,
+                                          "last backward": 21, "step": 5}
+    assert planner.phase_totals(segs, [1] * 7)["rest"] == 3
+
+
+def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
+    """measured minus modelled ms per phase group, the loop's time outside the marks (start to
+    start minus the marked span) before the forwards on both sides; with almost nothing offloaded
+    the floor is the baseline's phases, so the excess is the variant's phases over the baseline's."""
+    benchmark = _benchmark()
+
+    def marks(first_forward, step):
+        t, out = 0.0, [("iter_begin", 0.0, 0)]
+        for label, ms, alloc in (("fwd_begin", 1, 0), ("fwd_end", first_forward, 20 * GiB), ("bwd_begin", 0, 20 * GiB),
+                                 ("bwd_end", 90, 0), ("fwd_begin", 0, 0), ("fwd_end", 80, 20 * GiB),
+                                 ("bwd_begin", 0, 20 * GiB), ("bwd_end", 90, 0), ("step_begin", 4, 0),
+                                 ("step_end", step, 0)):
+            t += ms
+            out.append((label, t, alloc))
+        return out
+
+    def run(first_forward, step, loop, **extra):
+        timeline = {"iteration": 8, "marks": marks(first_forward, step), "step_peak_growth": 0}
+        span = timeline["marks"][-1][1]
+        return {"timeline": timeline, "timelines": [timeline], "busy_timelines": [], "kept_gib": [0],
+                "median_ms": span + loop, "ratio": 1.0, **extra}
+
+    base = run(80, 30, loop=10, offloaded_gib=[0])
+    offload = run(100, 60, loop=5, offloaded_gib=[2**-10])
+    row = benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
+    expected = {"before the forwards": -5, "first forward": 20, "rest": 0, "last backward": 0, "step": 30}
+    assert row["phase_excess_ms"] == pytest.approx(expected, abs=0.2)
+    out = capsys.readouterr().out
+    assert "before the forwards -5.0, first forward +20.0, rest " in out and "step +30.0; in all +45.0" in out
+    # Without the variant's marks (older records) nothing is split.
+    del offload["timelines"]
+    assert "phase_excess_ms" not in benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
+
+
 def test_the_benchmark_keeps_every_iteration_and_names_where_reserved_memory_grew(capsys):
     """summarize keeps each rank's per-iteration peaks and counters; report names the iterations
     (from 1) whose peak reserved memory exceeded the one before, with that iteration's counters."""
