@@ -22,8 +22,9 @@ and the caching allocator holds one free block that takes it (`_reload_up_to`, `
 from __future__ import annotations
 
 import bisect
+import collections
 import time
-from typing import List, Optional
+from typing import Deque, List, Optional, Tuple
 
 from .chunks import ChunkState
 from .phase import Phase
@@ -32,6 +33,8 @@ from .phase import Phase
 # (`_fitting`): those are activation-sized, and a reload must not leave only crumbs.
 # See [Note: backward workspace] in docs/design.md.
 WORKSPACE_MIN_BLOCK = 64 * 2**20
+# Iterations whose reload start is kept (`reload_starts`): a benchmark's run, bounded for long jobs.
+RELOAD_STARTS_KEPT = 256
 
 
 class MemoryPolicy:
@@ -48,6 +51,13 @@ class MemoryPolicy:
         self.fit_skips = 0  # fit checks answered by the counters alone (nothing could fit)
         self.fit_check_ms = 0.0
         self.reloads_deferred_for_fit = 0
+        # Where each iteration's reloads began, for the benchmark (the last RELOAD_STARTS_KEPT):
+        # (iterations done, the `position` of that first `_reload_up_to`; -1: the fallback at
+        # grads_finalizing; None: a hook of unknown position, inside a recomputation). An
+        # iteration without an entry brought its state back in the step (the chunked step's
+        # admission). And the chunks the position rule held back, counted once per call that did.
+        self.reload_starts: Deque[Tuple[int, Optional[int]]] = collections.deque(maxlen=RELOAD_STARTS_KEPT)
+        self.reloads_deferred_for_position = 0
 
     def _pace_layer(self, h: int) -> None:
         """Layer `h` of the iteration's first forward is about to run (`layer_forward_begin`):
@@ -173,8 +183,9 @@ class MemoryPolicy:
         """
         todo = self._chunks(ChunkState.OFFLOADED)
         if position is not None:
-            todo = [(off, c) for off, c in todo if _after(self.it.freed_at.get(id(c)), position)]
-            todo.sort(key=lambda pair: -_rank(self.it.freed_at.get(id(pair[1]))))
+            eligible = [(off, c) for off, c in todo if _after(self.it.freed_at.get(id(c)), position)]
+            self.reloads_deferred_for_position += len(todo) - len(eligible)
+            todo = sorted(eligible, key=lambda pair: -_rank(self.it.freed_at.get(id(pair[1]))))
         if not todo:
             return 0
         allocated = self._allocated() if ceiling is not None else 0
@@ -197,6 +208,8 @@ class MemoryPolicy:
         if moved:
             if self.phase is not Phase.RELOADING:
                 self._trace("reload_start")
+                where = position if position is not None else -1 if ceiling is None else None
+                self.reload_starts.append((self._iterations_done, where))
             self.phase = Phase.RELOADING
         return moved
 

@@ -223,6 +223,17 @@ def measured_over(result, modelled_ms, key="median_ms"):
     return result[key] / modelled_ms if result.get(key) else None
 
 
+def reload_starts_text(result):
+    """Where rank 0's reloads began in each iteration (steps done before it: position): the backward
+    position of the first reload, counting down to 0 through the last backward (-1: at the
+    fallback; "?": unknown, inside a recomputation), from the plugin's record."""
+    starts = result.get("reload_starts")
+    if not starts:
+        return "first reload per iteration: not recorded"
+    return "first reload per iteration at backward position " + ", ".join(
+        f"{i}:{'?' if p is None else p}" for i, p in starts)
+
+
 def timed_waits(iterations, warmup):
     """(before free, before step) ms per iteration over `iterations[warmup:]`, from the cumulative
     `exposed_ms` each iteration recorded; None where the records lack them (no plugin, older JSON)."""
@@ -277,6 +288,8 @@ def summarize(run, warmup):
         "fit_check_ms": [r.get("fit_check_ms") for r in ranks],
         "fit_skips": [r.get("fit_skips") for r in ranks],
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
+        "reloads_deferred_for_position": [r.get("reloads_deferred_for_position") for r in ranks],
+        "reload_starts": ranks[0].get("reload_starts"),
         "backward_workspace_mib": [(r.get("backward_workspace") or 0) / 2**20 for r in ranks],
         "cache_releases": [r.get("cache_releases") for r in ranks],
         "cache_release_ms": [r.get("cache_release_ms") for r in ranks],
@@ -477,7 +490,9 @@ def phase_excess(base, result, prof, engine_floor):
     iteration spans the baseline's marks only; the loop's time outside them (start-to-start median
     minus the marked span) enters the model as a gap before the first forward, where copies run
     (it does not change the floor when the copy-out absorbs it), and the run's own loop time is
-    measured the same way."""
+    measured the same way. Both loop times are clamped at 0: the median marks (the marked
+    iterations) and the start-to-start median (the timed ones) come from different sets of
+    iterations, and where a clamp acts the groups no longer sum to median minus floor."""
     from megatron_offload import planner
 
     marks = planner.median_marks([t["marks"] for t in result.get("timelines") or []])
@@ -568,7 +583,9 @@ def report(results, ceilings):
                   f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all; "
                   f"{(r.get('fit_skips') or [None])[0]} answered by the counters), reloads deferred "
                   f"for fit {r['reloads_deferred_for_fit'][0]} (backward workspace "
-                  f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB); cached-memory releases {r['cache_releases'][0]} "
+                  f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB), chunks held back by the position rule "
+                  f"{(r.get('reloads_deferred_for_position') or [None])[0]} (once per hook); {reload_starts_text(r)}; "
+                  f"cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
                   f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; host-lead waits "
                   f"{(r.get('host_lead_waits') or [0])[0] or 0} ({(r.get('host_lead_wait_ms') or [0])[0] or 0:.0f} ms in "

@@ -811,6 +811,10 @@ class Recorder:
                     "feeder_flushed_pieces": coord.feeder.flushed_pieces if coord.feeder is not None else None,
                     "feeder_enqueued_pieces": coord.feeder.enqueued_pieces if coord.feeder is not None else None,
                     "reloads_deferred_for_fit": coord.reloads_deferred_for_fit,
+                    "reloads_deferred_for_position": coord.reloads_deferred_for_position,
+                    # (iterations done, backward position of the iteration's first reload; -1: fallback;
+                    # None: unknown, inside a recomputation)
+                    "reload_starts": list(coord.reload_starts),
                     "backward_workspace": coord.backward_workspace,
                     "cache_releases": coord.cache_releases,
                     "cache_release_ms": coord.cache_release_ms,

@@ -34,6 +34,8 @@ def compute_stream(rows: List[Row]):
     for start, dur, stream, kind, _, _ in rows:
         if kind == "kernel":
             time[stream] += dur
+    if not time:
+        raise SystemExit("timeline_diff: a timeline without kernels (no compute stream to compare)")
     return time.most_common(1)[0][0]
 
 

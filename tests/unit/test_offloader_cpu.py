@@ -745,6 +745,49 @@ def test_reload_starts_in_last_backward_within_budget():
     assert ev.index("reload_window") > ev.index("forward_begin")
 
 
+def test_each_iterations_first_reload_and_the_position_rules_deferrals_are_recorded():
+    """`reload_starts` holds, per iteration, the backward position passed to the hook whose reload
+    enqueued the iteration's first chunk (the benchmark reads how far into the last backward the
+    reload began), and `reloads_deferred_for_position` the offloaded chunks each reload call left
+    out because the backward had not yet passed the hook they were freed before."""
+    layer_bytes, logits_bytes = 40_000, 30_000
+    opt = FakeDistOpt()
+    mem = SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated)
+    coord.add_optimizer(opt)
+    seen, held_back, at_hook = [], [0], [None]
+    trace, reload_up_to = coord._trace, coord._reload_up_to
+
+    def traced(what):
+        if what == "reload_start":
+            seen.append((coord._iterations_done, at_hook[0]))
+        trace(what)
+
+    def counted(ceiling, position=None):
+        at_hook[0] = -1 if position is None else position
+        if position is not None:
+            held_back[0] += sum(1 for _, c in coord._chunks(ChunkState.OFFLOADED)
+                                if not (coord.it.freed_at.get(id(c)) is None or coord.it.freed_at[id(c)] > position))
+        return reload_up_to(ceiling, position=position)
+
+    coord._trace, coord._reload_up_to = traced, counted
+    for step in range(4):
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+    # (No state before the first step: iterations 1-3 reload, in their last backward.)
+    assert list(coord.reload_starts) == seen and [i for i, _ in seen] == [1, 2, 3], (list(coord.reload_starts), seen)
+    assert all(0 <= p < LAYERS for _, p in seen), seen
+    assert coord.reloads_deferred_for_position == held_back[0] > 0
+    # Where no free block takes a chunk in the backward, the fallback reloads everything: -1.
+    opt = FakeDistOpt()
+    mem = SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       free_block_sizes=lambda: [])
+    coord.add_optimizer(opt)
+    for step in range(3):
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
+    assert list(coord.reload_starts) == [(1, -1), (2, -1)]
+
+
 def test_startup_transient_in_high_water_mark_does_not_inflate_the_budget():
     """A start-up transient above the training peak (e.g. packing) leaves the allocator's
     high-water mark useless for measuring P; the budget must then come from sampled growth,

@@ -399,6 +399,11 @@ def test_simulated_segments_add_up_and_phase_totals_group_them():
         assert all(ms >= g.ms - 1e-6 for ms, g in zip(p.segment_ms, prof.segments))  # (no busy times: no lead)
     whole = predict(prof, prof.max_unchunked_bytes)
     assert whole.segment_ms[0] == pytest.approx(prof.segments[0].ms + whole.stall_out_ms)  # the first forward waits
+    r2 = PRESETS["r2"]  # (its step waits for the reload in both step branches)
+    step = [g.kind for g in r2.segments].index("step")
+    for kwargs in ({"streamed": True}, {"step_budget": 2 * GiB}):
+        p = predict(r2, r2.state_bytes, **kwargs)
+        assert p.stall_in_ms > 0 and p.segment_ms[step] == pytest.approx(r2.segments[step].ms + p.stall_in_ms)
     segs = [Segment("gap", 2, 0, 0), Segment("forward", 10, 0, 1), Segment("backward", 20, 1, 0),
             Segment("forward", 11, 0, 1), Segment("backward", 21, 1, 0), Segment("gap", 3, 0, 0),
             Segment("step", 5, 0, 0)]
@@ -436,6 +441,11 @@ def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
     assert row["phase_excess_ms"] == pytest.approx(expected, abs=0.2)
     out = capsys.readouterr().out
     assert "before the forwards -5.0, first forward +20.0, rest " in out and "step +30.0; in all +45.0" in out
+    # The same against the streamed step's floor (a run whose copy-out was fed from the step on).
+    fed = dict(offload, feeder_enqueued_pieces=[5], step_budget_gib=[1.0])
+    row = benchmark.compare_with_planner({"baseline": base, "offload": fed}, 55.0)["offload"]
+    assert row["engine_floor_ratio"] == pytest.approx(row["predicted_ratio_streamed"])
+    assert row["phase_excess_ms"] == pytest.approx(expected, abs=0.2)
     # Without the variant's marks (older records) nothing is split.
     del offload["timelines"]
     assert "phase_excess_ms" not in benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
@@ -498,15 +508,24 @@ def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys
     rank0 = {"iterations": [it([100.0, 40.0]), it([190.0, 60.0]), it([193.0, 66.0]), it([196.0, 72.0])],
              "transfer": {"d2h_gbps": 50.0, "h2d_gbps": 50.0, "exposed_d2h_ms": 196.0, "exposed_h2d_ms": 72.0,
                           "iterations": 4},
-             "growth_profile": [2 << 20], "peak_growth": 4 << 20}
-    rank1 = {"iterations": [it([0.0, 0.0])] * 4, "growth_profile": [9 << 20], "peak_growth": 9 << 20}
+             "growth_profile": [2 << 20], "peak_growth": 4 << 20,
+             "reload_starts": [[1, 23], [2, 21], [3, -1], [4, None]], "reloads_deferred_for_position": 17}
+    rank1 = {"iterations": [it([0.0, 0.0])] * 4, "growth_profile": [9 << 20], "peak_growth": 9 << 20,
+             "reload_starts": [[1, 5]], "reloads_deferred_for_position": 3}
     r = benchmark.summarize({"ranks": [rank0, rank1], "seconds": 1.0}, warmup=2)
     assert r["timed_exposed_ms"] == [3.0, 6.0]
     assert r["growth_profile_mib"] == [2.0] and r["peak_growth_mib"] == 4.0
+    assert r["reload_starts"] == [[1, 23], [2, 21], [3, -1], [4, None]]
+    assert r["reloads_deferred_for_position"] == [17, 3]
     benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
     out = capsys.readouterr().out
     assert ("exposed waits per iteration: before free 3.0 ms, before step 6.0 ms over the timed iterations "
             "(whole run 49.0 / 18.0)") in out
+    assert ("chunks held back by the position rule 17 (once per hook); first reload per iteration at backward "
+            "position 1:23, 2:21, 3:-1, 4:?;") in out
+    del r["reload_starts"]
+    benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
+    assert "first reload per iteration: not recorded" in capsys.readouterr().out
 
 
 def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow():

@@ -5,6 +5,8 @@ import json
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "tools"))
 
 import timeline_diff  # noqa: E402
@@ -61,3 +63,8 @@ def test_main_reads_gzipped_files(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "B: compute stream 3: busy 12.5 ms of a 12.5 ms span" in out
     assert out.rstrip().endswith("| acc")
+
+
+def test_a_timeline_without_kernels_is_refused_in_one_line():
+    with pytest.raises(SystemExit, match="without kernels"):
+        timeline_diff.compare([[0.0, 5.0, 9, "gpu_memcpy", 1, "Memcpy DtoH"]], _timelines()[1])
