@@ -231,26 +231,6 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
                       [end - start for start, end in zip(starts, starts[1:] + [t])])
 
 
-PHASE_GROUPS = ("before the forwards", "first forward", "rest", "last backward", "step")
-
-
-def phase_totals(segments: List[Segment], durations: Optional[List[float]] = None) -> Dict[str, float]:
-    """Milliseconds per PHASE_GROUPS entry: the gaps before the first forward, the first forward, the
-    last backward, the step(s) and everything else, from `durations` (e.g. a prediction's
-    `segment_ms`) or the segments' own `ms`. Comparing a run's measured phases with the simulated
-    ones says where its excess over the floor lies."""
-    durations = [g.ms for g in segments] if durations is None else durations
-    kinds = [g.kind for g in segments]
-    first_forward = kinds.index("forward") if "forward" in kinds else len(kinds)
-    last_backward = len(kinds) - 1 - kinds[::-1].index("backward") if "backward" in kinds else -1
-    totals = dict.fromkeys(PHASE_GROUPS, 0.0)
-    for k, (kind, ms) in enumerate(zip(kinds, durations)):
-        group = ("before the forwards" if k < first_forward else "first forward" if k == first_forward
-                 else "last backward" if k == last_backward else "step" if kind == "step" else "rest")
-        totals[group] += ms
-    return totals
-
-
 def free_bytes(profile: Profile, tolerance: float = 0.005) -> float:
     """The most state that comes off the peak at no more than `tolerance` slowdown (bisection)."""
     lo, hi = 0.0, profile.max_unchunked_bytes

@@ -484,8 +484,29 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
     return rows
 
 
+PHASE_GROUPS = ("before the forwards", "first forward", "rest", "last backward", "step")
+
+
+def phase_totals(segments, durations=None) -> dict:
+    """Milliseconds per PHASE_GROUPS entry of planner segments: the gaps before the first forward,
+    the first forward, the last backward, the step(s) and the rest (every phase and gap between
+    the first forward and the last backward, and the gaps after it), from `durations` (e.g. a
+    prediction's `segment_ms`) or the segments' own `ms`. A run's measured phases against the
+    simulated ones say where its excess over the floor lies."""
+    durations = [g.ms for g in segments] if durations is None else durations
+    kinds = [g.kind for g in segments]
+    first_forward = kinds.index("forward") if "forward" in kinds else len(kinds)
+    last_backward = len(kinds) - 1 - kinds[::-1].index("backward") if "backward" in kinds else -1
+    totals = dict.fromkeys(PHASE_GROUPS, 0.0)
+    for k, (kind, ms) in enumerate(zip(kinds, durations)):
+        group = ("before the forwards" if k < first_forward else "first forward" if k == first_forward
+                 else "last backward" if k == last_backward else "step" if kind == "step" else "rest")
+        totals[group] += ms
+    return totals
+
+
 def phase_excess(base, result, prof, engine_floor):
-    """{phase group: measured ms - modelled ms} (planner.phase_totals) of a variant against its
+    """{phase group: measured ms - modelled ms} (`phase_totals`) of a variant against its
     engine's floor, or None where either run lacks marks or a start-to-start median. The modelled
     iteration spans the baseline's marks only; the loop's time outside them (start-to-start median
     minus the marked span) enters the model as a gap before the first forward, where copies run
@@ -500,11 +521,11 @@ def phase_excess(base, result, prof, engine_floor):
         return None
     loop = max(0.0, base["median_ms"] - prof.iteration_ms)
     gapped = dataclasses.replace(prof, segments=[planner.Segment("gap", loop, 0.0, 0.0)] + prof.segments)
-    modelled = planner.phase_totals(gapped.segments, engine_floor(gapped).segment_ms)
+    modelled = phase_totals(gapped.segments, engine_floor(gapped).segment_ms)
     own = planner.profile_from_timeline(marks, prof.state_bytes)
-    measured = planner.phase_totals(own.segments)
+    measured = phase_totals(own.segments)
     measured["before the forwards"] += max(0.0, result["median_ms"] - own.iteration_ms)
-    return {k: measured[k] - modelled[k] for k in planner.PHASE_GROUPS}
+    return {k: measured[k] - modelled[k] for k in PHASE_GROUPS}
 
 
 def replay_calibration(cal, base_marks, gbps, both_gbps):

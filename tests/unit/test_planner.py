@@ -407,9 +407,10 @@ def test_simulated_segments_add_up_and_phase_totals_group_them():
     segs = [Segment("gap", 2, 0, 0), Segment("forward", 10, 0, 1), Segment("backward", 20, 1, 0),
             Segment("forward", 11, 0, 1), Segment("backward", 21, 1, 0), Segment("gap", 3, 0, 0),
             Segment("step", 5, 0, 0)]
-    assert planner.phase_totals(segs) == {"before the forwards": 2, "first forward": 10, "rest": 34,
+    benchmark = _benchmark()
+    assert benchmark.phase_totals(segs) == {"before the forwards": 2, "first forward": 10, "rest": 34,
                                           "last backward": 21, "step": 5}
-    assert planner.phase_totals(segs, [1] * 7)["rest"] == 3
+    assert benchmark.phase_totals(segs, [1] * 7)["rest"] == 3
 
 
 def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
