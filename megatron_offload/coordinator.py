@@ -242,11 +242,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if it.forwards == 0:
             return
         it.backwards += 1
-        # The first backward of each iteration measures the workspace (`_fitting`); a later one
-        # would count the same layers again. Its first interval includes the loss and output
-        # layer's backward, which the reloads started just below must also leave room for.
-        it.workspace_mark = (self._allocated_total() - self._own_allocations
-                             if it.backwards == 1 and self.phase is not Phase.NO_STATE else None)
+        self._begin_workspace_sample(it.backwards == 1 and self.phase is not Phase.NO_STATE)
         if it.state is IterationState.RELOAD_WINDOW:
             return
         expected = self.expected_forwards() if self.expected_forwards is not None else None
@@ -259,8 +255,10 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
 
     @_inert_once_closed
     def backward_end(self) -> None:
-        """The backward of one microbatch is enqueued (phase mark for the automatic fraction)."""
+        """The backward of one microbatch is enqueued (phase mark for the automatic fraction; the
+        first backward's last workspace interval ends)."""
         self._mark("bwd_end")
+        self._sample_workspace(None, last=True)
 
     @_inert_once_closed
     def layer_backward_begin(self, position: Optional[int] = None) -> None:
@@ -276,7 +274,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         allocated memory stays under the reload ceiling and a free block takes each chunk
         (`_reload_up_to`); `grads_finalizing` reloads whatever is left."""
         self.host_lead.mark(self._host_lead_depth())
-        self._sample_workspace()
+        self._sample_workspace(position)
         if self.it.state is IterationState.RELOAD_WINDOW and self.bytes_in(ChunkState.OFFLOADED):
             self._reload_up_to(self._reload_ceiling(), position=position)
 

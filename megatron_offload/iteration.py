@@ -69,6 +69,7 @@ class IterationRecord:
     freed_at: Dict[int, Optional[int]] = dataclasses.field(default_factory=dict)
     forward_end_max: int = 0  # highest allocated level at a forward's end with state off
     workspace_mark: Optional[int] = None  # allocator total at the last backward hook (first backward)
+    workspace_key: Optional[int] = None  # position of that hook (the interval being measured)
     stepped: Set[int] = dataclasses.field(default_factory=set)  # id() of offloaders that stepped
     # The chunked step: each offloader's chunks in stepping order, what left during the step, budget.
     step_order: Dict[int, list] = dataclasses.field(default_factory=dict)

@@ -45,6 +45,8 @@ class MemoryPolicy:
         self.profile_end: Optional[int] = None
         self.peak_growth: Optional[int] = None
         self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
+        # The same per backward interval, keyed by the hook that began it (`_workspace_for`).
+        self.workspace_by_position: dict = {}
         self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
         self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
         self.fit_checks = 0  # calls of _free_block_sizes, and their host time
@@ -202,7 +204,7 @@ class MemoryPolicy:
             allocated += chunk.gpu_nbytes
             resident += chunk.gpu_nbytes
         if ceiling is not None and chosen and self._free_block_sizes is not None:
-            chosen = self._fitting(chosen)
+            chosen = self._fitting(chosen, self._workspace_for(position))
         moved = sum(off.start_copy_in(chunks) for off, chunks in _by_offloader(chosen))
         self._own_allocations += moved
         if moved:
@@ -213,9 +215,9 @@ class MemoryPolicy:
             self.phase = Phase.RELOADING
         return moved
 
-    def _fitting(self, chosen):
+    def _fitting(self, chosen, workspace: Optional[int] = None):
         """The leading chunks of `chosen` that fit the allocator's free blocks as they are now,
-        leaving the next layer's backward its workspace.
+        leaving the next layer's backward its `workspace` (default: `backward_workspace`).
 
         Enough free *bytes* (the ceiling above) is not enough: the caching allocator never
         merges blocks across segments, so a chunk that fits no single free block gets a new
@@ -230,13 +232,15 @@ class MemoryPolicy:
         while more than enough memory was mapped but free and no hole took them (see [Note:
         backward workspace] in docs/design.md). So after the placement, the free blocks of at
         least WORKSPACE_MIN_BLOCK (or a chunk slot) must still hold what one layer's backward
-        allocated (`backward_workspace`, measured in the iteration's first backward).
+        allocated (measured in the iteration's first backward; `_workspace_for`).
         """
+        if workspace is None:
+            workspace = self.backward_workspace
         # The snapshot walks every block of the allocator (milliseconds a call); the counters say
         # in microseconds when even all free bytes together could not take the first chunk and
         # leave the workspace (`chosen` is never empty here).
         if (self._free_mapped is not None
-                and self._free_mapped() < _request_bytes(chosen[0][1]) + self.backward_workspace):
+                and self._free_mapped() < _request_bytes(chosen[0][1]) + workspace):
             self.fit_skips += 1
             self.reloads_deferred_for_fit += len(chosen)
             return []
@@ -250,7 +254,7 @@ class MemoryPolicy:
             after = list(blocks)
             if not _take_best_fit(after, _request_bytes(chunk)):
                 break
-            if sum(b for b in after if b >= smallest_useful) < self.backward_workspace:
+            if sum(b for b in after if b >= smallest_useful) < workspace:
                 break
             blocks = after
             fitted.append((off, chunk))
@@ -298,14 +302,49 @@ class MemoryPolicy:
         self._trace("release:fallback")
         self._release_cache()
 
-    def _sample_workspace(self) -> None:
-        """At a backward hook of the iteration's first backward: what the layer just finished
-        allocated (the allocator's cumulative counter, less the reloads' own chunks)."""
-        if self.it.workspace_mark is None or not self.config.keep_backward_workspace:
+    def _begin_workspace_sample(self, first: bool) -> None:
+        """At `backward_begin`: the first backward of each iteration (`first`) measures the
+        workspace (`_fitting`); a later one would count the same layers again. Its first interval
+        includes the loss and output layer's backward (keyed by the forward's module count), which
+        the reloads started at `backward_begin` must also leave room for."""
+        it = self.it
+        it.workspace_mark = self._allocated_total() - self._own_allocations if first else None
+        it.workspace_key = it.position
+
+    def _sample_workspace(self, next_key: Optional[int], last: bool = False) -> None:
+        """At a backward hook of the iteration's first backward: what the interval since the last
+        hook allocated (the allocator's cumulative counter, less the reloads' own chunks), kept
+        under the position of the hook that began it (`workspace_key`); `next_key` begins the
+        next one (`layer_backward_begin`'s position). `last`: the backward's end, which ends the
+        measurement."""
+        it = self.it
+        if it.workspace_mark is None or not self.config.keep_backward_workspace:
             return
         now = self._allocated_total() - self._own_allocations
-        self.backward_workspace = max(self.backward_workspace, now - self.it.workspace_mark)
-        self.it.workspace_mark = now
+        used = now - it.workspace_mark
+        self.backward_workspace = max(self.backward_workspace, used)
+        key = it.workspace_key
+        self.workspace_by_position[key] = max(self.workspace_by_position.get(key, 0), used)
+        it.workspace_mark = None if last else now
+        it.workspace_key = next_key
+
+    def _workspace_for(self, position: Optional[int]) -> int:
+        """The room a reload at backward hook `position` leaves (`_fitting`): the most any
+        interval still to come in this backward allocated, i.e. those begun at hooks 0..position
+        (positions count down through the backward; `backward_begin`'s is the forward's count, so
+        there it is every interval, the loss and output layer's included).
+
+        Why not the largest of all: the first interval holds the loss and output layer's backward
+        (logits over the vocabulary), several times a transformer layer's; once the backward is
+        past it, demanding its room of every reload holds chunks back for layers (`reload_starts`
+        would show it) while the layers' own temporaries need less. Where an interval still to
+        come was never measured (a hook of unknown position, an interval with no hook after it,
+        the rule off: the benchmark's @wsmax) it is the largest of all, as before."""
+        ws = self.workspace_by_position
+        if (position is None or not self.config.workspace_by_position or None in ws
+                or any(k not in ws for k in range(position + 1))):
+            return self.backward_workspace
+        return max(ws[k] for k in range(position + 1))
 
     def _growth(self) -> int:
         sample = self.it.sample

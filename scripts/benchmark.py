@@ -63,6 +63,9 @@ MODIFIERS = {
     "relwin": {"MEGATRON_OFFLOAD_RELEASE_AT": "offloaded,reload_window"},
     # Reloads in the last backward without the workspace rule (coordinator._fitting, before 5eafd37).
     "nows": {"MEGATRON_OFFLOAD_WORKSPACE": "0"},
+    # The workspace rule with the largest interval of the whole backward at every reload, not the
+    # largest still to come (MemoryPolicy._workspace_for off).
+    "wsmax": {"MEGATRON_OFFLOAD_WORKSPACE_BY_POSITION": "0"},
     # No reload inside the last backward: everything at finalize_model_grads (diagnostic).
     "reloadlate": {"MEGATRON_OFFLOAD_BACKWARD_RELOADS": "0"},
     # The forward's frees make the host wait for their copy-out too (coordinator._free_until).
@@ -234,6 +237,17 @@ def reload_starts_text(result):
         f"{i}:{'?' if p is None else p}" for i, p in starts)
 
 
+def workspace_text(result):
+    """Rank 0's backward workspace: the largest interval, and each interval by the backward hook
+    position that began it, the loss and output layer's (the forward's module count) first."""
+    text = f"backward workspace {result.get('backward_workspace_mib', [0])[0]:.0f} MiB"
+    by_position = result.get("workspace_by_position_mib")
+    if by_position:
+        keys = sorted(by_position, key=lambda k: -1 if k == "None" else int(k), reverse=True)
+        text += " (by position: " + ", ".join(f"{'?' if k == 'None' else k}:{by_position[k]:.0f}" for k in keys) + ")"
+    return text
+
+
 def timed_waits(iterations, warmup):
     """(before free, before step) ms per iteration over `iterations[warmup:]`, from the cumulative
     `exposed_ms` each iteration recorded; None where the records lack them (no plugin, older JSON)."""
@@ -291,6 +305,7 @@ def summarize(run, warmup):
         "reloads_deferred_for_position": [r.get("reloads_deferred_for_position") for r in ranks],
         "reload_starts": ranks[0].get("reload_starts"),
         "backward_workspace_mib": [(r.get("backward_workspace") or 0) / 2**20 for r in ranks],
+        "workspace_by_position_mib": {k: v / 2**20 for k, v in (ranks[0].get("workspace_by_position") or {}).items()},
         "cache_releases": [r.get("cache_releases") for r in ranks],
         "cache_release_ms": [r.get("cache_release_ms") for r in ranks],
         "free_host_wait_ms": [r.get("free_host_wait_ms") for r in ranks],
@@ -603,8 +618,7 @@ def report(results, ceilings):
                   f"waits per iteration: {waits_text(r)}; free-block checks "
                   f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all; "
                   f"{(r.get('fit_skips') or [None])[0]} answered by the counters), reloads deferred "
-                  f"for fit {r['reloads_deferred_for_fit'][0]} (backward workspace "
-                  f"{r.get('backward_workspace_mib', [0])[0]:.0f} MiB), chunks held back by the position rule "
+                  f"for fit {r['reloads_deferred_for_fit'][0]} ({workspace_text(r)}), chunks held back by the position rule "
                   f"{(r.get('reloads_deferred_for_position') or [None])[0]} (once per hook); {reload_starts_text(r)}; "
                   f"cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "

@@ -383,6 +383,7 @@ def _plugin_exposed_so_far():
 DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_RELEASE_AT": ("release_at", lambda v: frozenset(v.split(","))),
     "MEGATRON_OFFLOAD_WORKSPACE": ("keep_backward_workspace", lambda v: v != "0"),
+    "MEGATRON_OFFLOAD_WORKSPACE_BY_POSITION": ("workspace_by_position", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_BACKWARD_RELOADS": ("backward_reloads", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_HOST_WAIT": ("host_waits_at_free", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_FREE_COPIED": ("free_when_copied_out", lambda v: v == "1"),
@@ -816,6 +817,8 @@ class Recorder:
                     # None: unknown, inside a recomputation)
                     "reload_starts": list(coord.reload_starts),
                     "backward_workspace": coord.backward_workspace,
+                    # per backward interval, keyed by the hook position that began it (str: JSON keys)
+                    "workspace_by_position": {str(k): v for k, v in coord.workspace_by_position.items()},
                     "cache_releases": coord.cache_releases,
                     "cache_release_ms": coord.cache_release_ms,
                     "free_host_wait_ms": coord.free_host_wait_ms,

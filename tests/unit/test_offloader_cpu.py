@@ -573,6 +573,10 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
                 coord.layer_backward_begin(h)  # the gradient of layer h's output is ready
             mem.act -= layer_bytes
             mem.allocated()
+        if backward_layer is not None:
+            backward_layer()  # layer 0 and the embedding ran their backward
+        if coord:
+            coord.backward_end()
     if coord:
         coord.grads_finalizing()
     make_grads(opt.all_params(), step)
@@ -1042,6 +1046,49 @@ def test_fallback_release_reads_the_counters_before_the_snapshot(cached):
     simulated_iteration(opt, coord, mem, 0, layer_bytes, logits_bytes)
     assert released == ([] if cached == "none" else [1])
     assert snapshots[0] == (1 if cached == "plenty" else 0)
+    coord.close()
+
+
+@pytest.mark.parametrize("by_position", [True, False], ids=["by-position", "wsmax"])
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_reloads_leave_room_for_the_intervals_still_to_come_not_the_output_layers(by_position, microbatches):
+    """The first backward interval (loss and output layer) allocates four times a layer's backward.
+    A free block that holds a chunk and a layer's workspace, but not a chunk and the output
+    layer's, takes reloads inside the backward once it is past the output layer: each interval is
+    measured under the position of the hook that began it, and a reload at hook p leaves room for
+    the largest of those still to come (0..p). With `workspace_by_position=False` (the
+    benchmark's @wsmax) every reload must leave the largest of all: none fits until the fallback."""
+    layer_bytes, logits_bytes, workspace = 40_000, 30_000, 3 * 4096
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    blocks, temporaries, calls = [], [0], [0]
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       free_block_sizes=lambda: list(blocks), expected_forwards_per_iteration=lambda: microbatches,
+                       allocated_total=lambda: temporaries[0] + coord.bytes_in(
+                           ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT),
+                       workspace_by_position=by_position)
+    coord.add_optimizer(opt)
+
+    def interval_temporaries():  # LAYERS + 1 intervals per backward, the output layer's first
+        temporaries[0] += 4 * workspace if calls[0] % (LAYERS + 1) == 0 else workspace
+        calls[0] += 1
+
+    for step in range(4):
+        slot = max((c.gpu_nbytes for c in coord.offloaders[0].chunks), default=0)
+        blocks[:] = [slot + 2 * workspace]
+        simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, microbatches=microbatches)
+        simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microbatches=microbatches,
+                            backward_layer=interval_temporaries)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    assert coord.backward_workspace == 4 * workspace
+    assert coord.workspace_by_position == {LAYERS: 4 * workspace, **{k: workspace for k in range(LAYERS)}}
+    assert coord._workspace_for(LAYERS) == 4 * workspace and coord._workspace_for(None) == 4 * workspace
+    assert coord._workspace_for(LAYERS - 1) == (workspace if by_position else 4 * workspace)
+    # Iterations 2 and 3 (the first measured a whole backward before the window's reloads; with one
+    # microbatch its window was that backward): inside the backward by position, at the fallback without.
+    starts = [where for done, where in coord.reload_starts if done >= 2]
+    assert len(starts) == 2, list(coord.reload_starts)
+    assert all(0 <= where < LAYERS for where in starts) if by_position else starts == [-1, -1], starts
     coord.close()
 
 
