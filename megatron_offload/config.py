@@ -70,8 +70,6 @@ class OffloadConfig:
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
     # ... for the largest interval still to come, not of the whole backward (MemoryPolicy._workspace_for)
     workspace_by_position: bool = True
-    # ... at most the largest step of the first forward's growth profile (diagnostic: @wsfwd)
-    workspace_capped_by_forward: bool = False
     backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)
     host_waits_at_free: bool = False  # the forward's frees also block the host
     # Where every copy-out of the iteration has finished before the first forward's first layer,

@@ -344,15 +344,7 @@ class MemoryPolicy:
         if (position is None or not self.config.workspace_by_position or None in ws
                 or any(k not in ws for k in range(position + 1))):
             return self.backward_workspace
-        room = max(ws[k] for k in range(position + 1))
-        if self.config.workspace_capped_by_forward and self.profile and self.profile_end is not None:
-            # What an interval allocated in all (the cumulative counter) counts each temporary
-            # that was freed and its memory reused again: R1's layers allocate ~3x what they
-            # hold at once. The most a module's forward kept (the growth profile's steps) is
-            # the size its backward's temporaries were measured at on R1.
-            steps = [b - a for a, b in zip([0, *self.profile], [*self.profile, self.profile_end])]
-            room = min(room, max(steps))
-        return room
+        return max(ws[k] for k in range(position + 1))
 
     def _growth(self) -> int:
         sample = self.it.sample

@@ -66,9 +66,6 @@ MODIFIERS = {
     # The workspace rule with the largest interval of the whole backward at every reload, not the
     # largest still to come (MemoryPolicy._workspace_for off).
     "wsmax": {"MEGATRON_OFFLOAD_WORKSPACE_BY_POSITION": "0"},
-    # The workspace at most the largest step of the first forward's growth profile (the cumulative
-    # counter counts reused temporaries again: MemoryPolicy._workspace_for).
-    "wsfwd": {"MEGATRON_OFFLOAD_WORKSPACE_FROM_FORWARD": "1"},
     # No reload inside the last backward: everything at finalize_model_grads (diagnostic).
     "reloadlate": {"MEGATRON_OFFLOAD_BACKWARD_RELOADS": "0"},
     # The forward's frees make the host wait for their copy-out too (coordinator._free_until).

@@ -384,7 +384,6 @@ DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_RELEASE_AT": ("release_at", lambda v: frozenset(v.split(","))),
     "MEGATRON_OFFLOAD_WORKSPACE": ("keep_backward_workspace", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_WORKSPACE_BY_POSITION": ("workspace_by_position", lambda v: v != "0"),
-    "MEGATRON_OFFLOAD_WORKSPACE_FROM_FORWARD": ("workspace_capped_by_forward", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_BACKWARD_RELOADS": ("backward_reloads", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_HOST_WAIT": ("host_waits_at_free", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_FREE_COPIED": ("free_when_copied_out", lambda v: v == "1"),

@@ -1049,36 +1049,6 @@ def test_fallback_release_reads_the_counters_before_the_snapshot(cached):
     coord.close()
 
 
-@pytest.mark.parametrize("capped", [True, False])
-def test_workspace_for_a_position_and_its_cap_by_the_forwards_growth(capped):
-    """`_workspace_for(p)`: the largest interval begun at hooks 0..p; the largest of all where one
-    of them was never measured or the position is unknown; with `workspace_capped_by_forward`
-    (the benchmark's @wsfwd) at most the largest step of the growth profile (its end included)."""
-    from megatron_offload.config import OffloadConfig
-    from megatron_offload.memory_policy import MemoryPolicy
-
-    class Policy(MemoryPolicy):
-        def __init__(self):
-            self._init_memory_policy()
-            self.config = OffloadConfig(workspace_capped_by_forward=capped)
-
-    policy = Policy()
-    policy.workspace_by_position = {3: 900, 2: 300, 1: 500, 0: 200}
-    policy.backward_workspace = 900
-    policy.profile, policy.profile_end = [10, 110, 260, 300], 700  # steps 10, 100, 150, 40, 400
-    cap = 400 if capped else None
-    assert policy._workspace_for(3) == (min(900, cap) if capped else 900)
-    assert policy._workspace_for(2) == (400 if capped else 500)
-    assert policy._workspace_for(1) == (400 if capped else 500)
-    assert policy._workspace_for(0) == 200
-    assert policy._workspace_for(None) == 900  # unknown position: the largest, uncapped
-    del policy.workspace_by_position[0]
-    assert policy._workspace_for(1) == 900  # an interval still to come never measured
-    policy.workspace_by_position[0] = 200
-    policy.profile_end = None
-    assert policy._workspace_for(2) == 500  # no profile yet: no cap
-
-
 @pytest.mark.parametrize("by_position", [True, False], ids=["by-position", "wsmax"])
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_reloads_leave_room_for_the_intervals_still_to_come_not_the_output_layers(by_position, microbatches):
