@@ -334,12 +334,15 @@ class MemoryPolicy:
         (positions count down through the backward; `backward_begin`'s is the forward's count, so
         there it is every interval, the loss and output layer's included).
 
-        Why not the largest of all: the first interval holds the loss and output layer's backward
-        (logits over the vocabulary), several times a transformer layer's; once the backward is
-        past it, demanding its room of every reload holds chunks back for layers (`reload_starts`
-        would show it) while the layers' own temporaries need less. Where an interval still to
-        come was never measured (a hook of unknown position, an interval with no hook after it,
-        the rule off: the benchmark's @wsmax) it is the largest of all, as before."""
+        Why not the largest of all: where the vocabulary is large against the hidden size, the
+        intervals of the loss and the output layer (logits over the vocabulary, in fp32 for the
+        loss) allocate several times a transformer layer's; once the backward is past them,
+        demanding their room of every reload would hold chunks back while the layers' own
+        temporaries need less. (Where every layer's interval is as large, e.g. R1, nothing
+        changes.) The figures are what each interval allocated in all, reused temporaries counted
+        again: an upper bound of what it holds at once. Where an interval still to come was never
+        measured (a hook of unknown position, an interval with no hook after it, the rule off:
+        the benchmark's @wsmax) it is the largest of all, as before."""
         ws = self.workspace_by_position
         if (position is None or not self.config.workspace_by_position or None in ws
                 or any(k not in ws for k in range(position + 1))):
