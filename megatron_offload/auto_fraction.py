@@ -130,7 +130,7 @@ def needs_second_calibration(first: Choice) -> bool:
     return first.fraction < 1.0 and first.free_upper > max(first.free_fraction, first.fit_fraction) + 0.005
 
 
-def refine(first: Choice, second: Choice) -> Choice:
+def refine(first: Choice, second: Choice, capped: bool = True) -> Choice:
     """The choice after a second calibration iteration, run at `first.fraction`.
 
     Why a second one: the first calibration copies the *whole* state out beside its first forward,
@@ -142,10 +142,19 @@ def refine(first: Choice, second: Choice) -> Choice:
     share is kept within the first calibration's two estimates (trimmed and untrimmed) so that one
     noisy iteration cannot move the choice outside what the first one bounded. Memory's bound
     stays the first calibration's (measured with the whole state off the GPU). See [Note: second
-    calibration] in docs/design.md."""
+    calibration] in docs/design.md.
+
+    `capped=False` (a diagnostic: `OffloadConfig.second_calibration_capped`, the benchmark's
+    @calnocap) lifts the upper bound where the second calibration was undisturbed (its copy waits
+    within the planner's cost of "free", `FREE_COST` of its iteration). Why it may err low: the
+    untrimmed estimate is no upper bound where the first calibration's waits hid host time that
+    lengthens an undisturbed first forward (removed with the waits, its first forward can come out
+    shorter than a baseline's)."""
     lower = first.free_fraction
     upper = max(first.free_upper, lower)
     measured = second.free_upper if second.free_upper >= 0 else second.free_fraction
+    if not capped and second.stalls_ms <= planner.FREE_COST * second.iteration_ms:
+        upper = max(upper, measured)
     free = min(max(measured, lower), upper)
     return dataclasses.replace(second, fraction=_settle(free, first.fit_fraction), free_fraction=free,
                                fit_fraction=first.fit_fraction, free_upper=upper,

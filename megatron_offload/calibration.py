@@ -67,7 +67,7 @@ class Calibration:
                                       "state_bytes": total, "d2h_gbps": d2h, "h2d_gbps": h2d,
                                       "free_fraction": choice.free_fraction, "free_upper": choice.free_upper})
             if first is not None:
-                choice = auto_fraction.refine(first, choice)
+                choice = auto_fraction.refine(first, choice, capped=self.config.second_calibration_capped)
         if self._smallest_in_group is not None:
             choice = auto_fraction.agree(choice, self._smallest_in_group)
         self.auto_choice = choice

@@ -231,7 +231,11 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
                       [end - start for start, end in zip(starts, starts[1:] + [t])])
 
 
-def free_bytes(profile: Profile, tolerance: float = 0.005) -> float:
+# The slowdown the planner still calls "free" (`free_bytes`).
+FREE_COST = 0.005
+
+
+def free_bytes(profile: Profile, tolerance: float = FREE_COST) -> float:
     """The most state that comes off the peak at no more than `tolerance` slowdown (bisection)."""
     lo, hi = 0.0, profile.max_unchunked_bytes
     for _ in range(30):

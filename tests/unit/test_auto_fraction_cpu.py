@@ -1,6 +1,7 @@
 """`--offload-state-fraction auto` on CPU: the choice from a measured timeline, the removal of copy
 waits from it, and the coordinator re-packing its offloaders after the calibration iteration."""
 
+import dataclasses
 import math
 
 import pytest
@@ -349,6 +350,14 @@ def test_the_second_calibration_is_taken_as_measured_within_the_first_ones_bound
     assert auto_fraction.refine(first, second(0.7)).free_fraction == pytest.approx(0.52)
     assert auto_fraction.refine(first, second(0.2)).free_fraction == pytest.approx(0.385)
     assert auto_fraction.refine(first, second(0.2)).fraction == 0.38
+    # Uncapped (the benchmark's @calnocap): above the first's untrimmed estimate only where the
+    # second calibration waited no longer than the planner's cost of "free" (0.5 % of 610 ms).
+    assert auto_fraction.refine(first, second(0.7), capped=False).free_fraction == pytest.approx(0.7)
+    assert auto_fraction.refine(first, second(0.7), capped=False).fraction == 0.7
+    disturbed = dataclasses.replace(second(0.7), stalls_ms=3.1)
+    assert auto_fraction.refine(first, disturbed, capped=False).free_fraction == pytest.approx(0.52)
+    assert auto_fraction.refine(first, second(0.2), capped=False).free_fraction == pytest.approx(0.385)
+    assert auto_fraction.refine(first, second(0.457), capped=False).free_fraction == pytest.approx(0.457)
 
 
 def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt, collect_after_setup=False):
