@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import collections
 import time
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 from .chunks import ChunkState
 from .phase import Phase
@@ -45,8 +45,10 @@ class MemoryPolicy:
         self.profile_end: Optional[int] = None
         self.peak_growth: Optional[int] = None
         self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
-        # The same per backward interval, keyed by the hook that began it (`_workspace_for`).
-        self.workspace_by_position: dict = {}
+        # The same per backward interval, keyed by the position of the hook that began it
+        # (`_workspace_for`; None: a hook of unknown position).
+        self.workspace_per_interval: Dict[Optional[int], int] = {}
+        self.model_chunks = 0  # model chunks `watch_model` hooked (their positions coincide)
         self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
         self.free_host_wait_ms = 0.0  # host time in the forward's frees (their waits included)
         self.fit_checks = 0  # calls of _free_block_sizes, and their host time
@@ -304,9 +306,10 @@ class MemoryPolicy:
 
     def _begin_workspace_sample(self, first: bool) -> None:
         """At `backward_begin`: the first backward of each iteration (`first`) measures the
-        workspace (`_fitting`); a later one would count the same layers again. Its first interval
-        includes the loss and output layer's backward (keyed by the forward's module count), which
-        the reloads started at `backward_begin` must also leave room for."""
+        workspace (`_fitting`); a later one would count the same layers again. Its first interval,
+        keyed by the forward's module count, runs until the gradient of the last pacing module's
+        output is ready (the loss's backward; the output layer's own is the next interval where it
+        is a pacing module); the reloads started at `backward_begin` leave room for it too."""
         it = self.it
         it.workspace_mark = self._allocated_total() - self._own_allocations if first else None
         it.workspace_key = it.position
@@ -324,7 +327,7 @@ class MemoryPolicy:
         used = now - it.workspace_mark
         self.backward_workspace = max(self.backward_workspace, used)
         key = it.workspace_key
-        self.workspace_by_position[key] = max(self.workspace_by_position.get(key, 0), used)
+        self.workspace_per_interval[key] = max(self.workspace_per_interval.get(key, 0), used)
         it.workspace_mark = None if last else now
         it.workspace_key = next_key
 
@@ -332,19 +335,21 @@ class MemoryPolicy:
         """The room a reload at backward hook `position` leaves (`_fitting`): the most any
         interval still to come in this backward allocated, i.e. those begun at hooks 0..position
         (positions count down through the backward; `backward_begin`'s is the forward's count, so
-        there it is every interval, the loss and output layer's included).
+        there it is every interval). The last interval (layer 0 and the embedding's backward,
+        closed by `backward_end`) is always still to come: the room is never below it.
 
-        Why not the largest of all: where the vocabulary is large against the hidden size, the
-        intervals of the loss and the output layer (logits over the vocabulary, in fp32 for the
-        loss) allocate several times a transformer layer's; once the backward is past them,
-        demanding their room of every reload would hold chunks back while the layers' own
-        temporaries need less. (Where every layer's interval is as large, e.g. R1, nothing
-        changes.) The figures are what each interval allocated in all, reused temporaries counted
-        again: an upper bound of what it holds at once. Where an interval still to come was never
-        measured (a hook of unknown position, an interval with no hook after it, the rule off:
-        the benchmark's @wsmax) it is the largest of all, as before."""
-        ws = self.workspace_by_position
-        if (position is None or not self.config.workspace_by_position or None in ws
+        Why not the largest of all: the intervals of the loss and the output layer (logits over
+        the vocabulary, in fp32 for the loss) grow with the vocabulary and the tokens of a
+        microbatch, a transformer layer's do not; where they are the largest, demanding their room
+        of every later reload would hold chunks back that the layers' temporaries leave room for.
+        The figures are what each interval allocated in all, reused temporaries counted again: an
+        upper bound of what it holds at once. The largest of all is kept where an interval still
+        to come was never measured (a hook of unknown position; a loop that does not call
+        `backward_end`), where several model chunks share the positions (the first backward
+        measures one chunk's intervals), and with the rule off (the benchmark's @wsmax). See
+        [Note: backward workspace] in docs/design.md."""
+        ws = self.workspace_per_interval
+        if (position is None or not self.config.workspace_by_position or None in ws or self.model_chunks > 1
                 or any(k not in ws for k in range(position + 1))):
             return self.backward_workspace
         return max(ws[k] for k in range(position + 1))

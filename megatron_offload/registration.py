@@ -100,6 +100,7 @@ class Registration:
         """Hook the layers whose forward/backward pace the freeing and reloading. Returns count."""
         count = 0
         for chunk in model_chunks:
+            self.model_chunks += 1
             for module in pacing_modules(chunk):
                 self._hook_handles.append(module.register_forward_pre_hook(self._on_layer_forward))
                 self._hook_handles.append(module.register_forward_hook(self._on_layer_output))

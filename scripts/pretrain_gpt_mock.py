@@ -819,7 +819,7 @@ class Recorder:
                     "reload_starts": list(coord.reload_starts),
                     "backward_workspace": coord.backward_workspace,
                     # per backward interval, keyed by the hook position that began it (str: JSON keys)
-                    "workspace_by_position": {str(k): v for k, v in coord.workspace_by_position.items()},
+                    "workspace_by_position": {str(k): v for k, v in coord.workspace_per_interval.items()},
                     "cache_releases": coord.cache_releases,
                     "cache_release_ms": coord.cache_release_ms,
                     "free_host_wait_ms": coord.free_host_wait_ms,

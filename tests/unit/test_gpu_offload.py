@@ -100,6 +100,8 @@ def train(model, optimizer, coord=None, steps=6, microbatches=2, on_forward_end=
                 coord.backward_begin()
             scaled = loss * optimizer.get_loss_scale() if optimizer.get_loss_scale() is not None else loss
             scaled.backward()
+            if coord:
+                coord.backward_end()
             total = total + loss.detach()
         if coord:
             coord.grads_finalizing()

@@ -1081,7 +1081,7 @@ def test_reloads_leave_room_for_the_intervals_still_to_come_not_the_output_layer
                             backward_layer=interval_temporaries)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
     assert coord.backward_workspace == 4 * workspace
-    assert coord.workspace_by_position == {LAYERS: 4 * workspace, **{k: workspace for k in range(LAYERS)}}
+    assert coord.workspace_per_interval == {LAYERS: 4 * workspace, **{k: workspace for k in range(LAYERS)}}
     assert coord._workspace_for(LAYERS) == 4 * workspace and coord._workspace_for(None) == 4 * workspace
     assert coord._workspace_for(LAYERS - 1) == (workspace if by_position else 4 * workspace)
     # Iterations 2 and 3 (the first measured a whole backward before the window's reloads; with one
@@ -1089,6 +1089,18 @@ def test_reloads_leave_room_for_the_intervals_still_to_come_not_the_output_layer
     starts = [where for done, where in coord.reload_starts if done >= 2]
     assert len(starts) == 2, list(coord.reload_starts)
     assert all(0 <= where < LAYERS for where in starts) if by_position else starts == [-1, -1], starts
+    # Several model chunks share the positions (one chunk's intervals were measured): the largest.
+    coord.model_chunks = 2
+    assert coord._workspace_for(LAYERS - 1) == 4 * workspace
+    coord.model_chunks = 1
+    # An interval begun at a hook of unknown position (inside a recomputation) is measured under
+    # None, and from then on every reload leaves the largest of all.
+    coord.it.workspace_mark = coord._allocated_total() - coord._own_allocations
+    coord.it.workspace_key = None
+    temporaries[0] += workspace
+    coord._sample_workspace(0)
+    assert coord.workspace_per_interval[None] == workspace
+    assert coord._workspace_for(LAYERS - 1) == 4 * workspace
     coord.close()
 
 
