@@ -1049,6 +1049,23 @@ def test_fallback_release_reads_the_counters_before_the_snapshot(cached):
     coord.close()
 
 
+def _workspace_pair(microbatches, blocks, temporaries, **config):
+    """A reference optimizer and an offloaded one with simulated memory, for the workspace tests:
+    the allocator's free blocks are `blocks`, its cumulative counter `temporaries[0]` plus the
+    chunks on the GPU. (ref, opt, ref_mem, mem, coord)"""
+    ref, opt = FakeDistOpt(), FakeDistOpt()
+    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                       free_block_sizes=lambda: list(blocks), expected_forwards_per_iteration=lambda: microbatches,
+                       # Chunks only come back within a backward, so within one this counts them as
+                       # the allocator's cumulative counter would.
+                       allocated_total=lambda: temporaries[0] + coord.bytes_in(
+                           ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT),
+                       **config)
+    coord.add_optimizer(opt)
+    return ref, opt, ref_mem, mem, coord
+
+
 @pytest.mark.parametrize("by_position", [True, False], ids=["by-position", "wsmax"])
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_reloads_leave_room_for_the_intervals_still_to_come_not_the_output_layers(by_position, microbatches):
@@ -1059,15 +1076,8 @@ def test_reloads_leave_room_for_the_intervals_still_to_come_not_the_output_layer
     the largest of those still to come (0..p). With `workspace_by_position=False` (the
     benchmark's @wsmax) every reload must leave the largest of all: none fits until the fallback."""
     layer_bytes, logits_bytes, workspace = 40_000, 30_000, 3 * 4096
-    ref, opt = FakeDistOpt(), FakeDistOpt()
-    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     blocks, temporaries, calls = [], [0], [0]
-    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
-                       free_block_sizes=lambda: list(blocks), expected_forwards_per_iteration=lambda: microbatches,
-                       allocated_total=lambda: temporaries[0] + coord.bytes_in(
-                           ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT),
-                       workspace_by_position=by_position)
-    coord.add_optimizer(opt)
+    ref, opt, ref_mem, mem, coord = _workspace_pair(microbatches, blocks, temporaries, workspace_by_position=by_position)
 
     def interval_temporaries():  # LAYERS + 1 intervals per backward, the output layer's first
         temporaries[0] += 4 * workspace if calls[0] % (LAYERS + 1) == 0 else workspace
@@ -1115,17 +1125,8 @@ def test_reloads_leave_the_next_layers_backward_its_workspace(room, microbatches
     `keep_backward_workspace=False` (the benchmark's `@nows`) is the rule before: one chunk that
     fits a free block reloads in the window even if it leaves no workspace."""
     layer_bytes, logits_bytes = 40_000, 30_000
-    ref, opt = FakeDistOpt(), FakeDistOpt()
-    ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     blocks, temporaries = [], [0]
-    coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
-                       free_block_sizes=lambda: list(blocks), expected_forwards_per_iteration=lambda: microbatches,
-                       # Chunks only come back within a backward, so within one this counts them as
-                       # the allocator's cumulative counter would.
-                       allocated_total=lambda: temporaries[0] + coord.bytes_in(
-                           ChunkState.RESIDENT, ChunkState.COPYING_IN, ChunkState.COPYING_OUT),
-                       keep_backward_workspace=keep)
-    coord.add_optimizer(opt)
+    ref, opt, ref_mem, mem, coord = _workspace_pair(microbatches, blocks, temporaries, keep_backward_workspace=keep)
     workspace = 3 * 4096
 
     def layer_temporaries():
