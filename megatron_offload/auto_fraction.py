@@ -51,7 +51,8 @@ class Choice:
     h2d_gbps: float
     own_free_fraction: float = -1.0  # this rank's own measurement, when the group agreed on less
     # The free fraction of the same timeline with its first forward untrimmed: an upper bound
-    # (`first_forward_as_the_others`), which the second calibration may not exceed.
+    # (`first_forward_as_the_others`), which the second calibration may not exceed (unless
+    # `refine(capped=False)`).
     free_upper: float = -1.0
     calibrations: int = 1
 
@@ -145,11 +146,12 @@ def refine(first: Choice, second: Choice, capped: bool = True) -> Choice:
     calibration] in docs/design.md.
 
     `capped=False` (a diagnostic: `OffloadConfig.second_calibration_capped`, the benchmark's
-    @calnocap) lifts the upper bound where the second calibration was undisturbed (its copy waits
-    within the planner's cost of "free", `FREE_COST` of its iteration). Why it may err low: the
-    untrimmed estimate is no upper bound where the first calibration's waits hid host time that
-    lengthens an undisturbed first forward (removed with the waits, its first forward can come out
-    shorter than a baseline's)."""
+    @calnocap) lifts the upper bound where the second calibration had no copy waits to speak of
+    (within the planner's cost of "free", `FREE_COST` of its iteration). Why the bound may err
+    low: the untrimmed estimate is no upper bound where the first calibration's waits hid host
+    time that lengthens an undisturbed first forward (removed with the waits, its first forward
+    can come out shorter than a baseline's). What the guard cannot see: phases the calibration
+    stretched otherwise (its host-lead bound), which widen the windows it reads."""
     lower = first.free_fraction
     upper = max(first.free_upper, lower)
     measured = second.free_upper if second.free_upper >= 0 else second.free_fraction

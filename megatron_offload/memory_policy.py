@@ -346,7 +346,8 @@ class MemoryPolicy:
         upper bound of what it holds at once. The largest of all is kept where an interval still
         to come was never measured (a hook of unknown position; a loop that does not call
         `backward_end`), where several model chunks share the positions (the first backward
-        measures one chunk's intervals), and with the rule off (the benchmark's @wsmax). See
+        measures one chunk's intervals; `watch_model` counts them, a loop that calls the layer
+        hooks itself sets `model_chunks`), and with the rule off (the benchmark's @wsmax). See
         [Note: backward workspace] in docs/design.md."""
         ws = self.workspace_per_interval
         if (position is None or not self.config.workspace_by_position or None in ws or self.model_chunks > 1

@@ -356,11 +356,14 @@ def test_the_second_calibration_is_taken_as_measured_within_the_first_ones_bound
     assert auto_fraction.refine(first, second(0.7), capped=False).fraction == 0.7
     disturbed = dataclasses.replace(second(0.7), stalls_ms=3.1)
     assert auto_fraction.refine(first, disturbed, capped=False).free_fraction == pytest.approx(0.52)
+    # The second's own iteration sets the limit (3.05 ms), not the first's (3.0).
+    within = dataclasses.replace(second(0.7), stalls_ms=3.04)
+    assert auto_fraction.refine(first, within, capped=False).free_fraction == pytest.approx(0.7)
     assert auto_fraction.refine(first, second(0.2), capped=False).free_fraction == pytest.approx(0.385)
     assert auto_fraction.refine(first, second(0.457), capped=False).free_fraction == pytest.approx(0.457)
 
 
-def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt, collect_after_setup=False):
+def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt, collect_after_setup=False, **config):
     """A coordinator whose calibrations return `choices` in turn, run `steps` iterations (state
     bit-identical to a reference optimizer's after each); returns (coord, off, choose calls, ref,
     opt) for tests that go on."""
@@ -375,7 +378,7 @@ def _auto_run(monkeypatch, choices, steps, group=None, make_opt=FakeDistOpt, col
     coord = make_coordinator(device=torch.device("cpu"), chunk_bytes=4096,
                                expected_forwards_per_iteration=lambda: 2, auto_fraction_at=2,
                                memory_room=lambda: 777.0, smallest_in_group=group,
-                               collect_after_setup=collect_after_setup)
+                               collect_after_setup=collect_after_setup, **config)
     off = coord.add_optimizer(opt)
     for step in range(steps):
         make_grads(ref.all_params(), step)
@@ -401,6 +404,17 @@ def test_coordinator_calibrates_again_at_the_first_choice_and_repacks_only_on_a_
     coord, off, calls, _, _ = _auto_run(monkeypatch, [first, same], steps=5)
     assert len(calls) == 2 and coord.auto_choice.fraction == 0.4
     assert coord.events.count("auto_fraction:0.40") == 2
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_the_coordinator_passes_the_second_calibrations_cap_setting(monkeypatch, capped):
+    """`OffloadConfig.second_calibration_capped` reaches `refine`: an undisturbed second reading
+    above the first's untrimmed estimate is capped by default, taken with the cap off."""
+    first = auto_fraction.Choice(0.4, 0.4, 0.0, 1000.0, 300.0, 55, 55, free_upper=0.45)
+    second = auto_fraction.Choice(0.7, 0.7, 0.0, 1000.0, 0.1, 55, 55, free_upper=0.7)
+    coord, off, calls, _, _ = _auto_run(monkeypatch, [first, second], steps=5, second_calibration_capped=capped)
+    assert len(calls) == 2
+    assert coord.auto_choice.fraction == (0.45 if capped else 0.7) and off.fraction == coord.auto_choice.fraction
 
 
 def test_the_group_takes_the_second_calibration_if_any_rank_needs_it(monkeypatch):

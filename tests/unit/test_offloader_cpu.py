@@ -1100,9 +1100,10 @@ def test_reloads_leave_room_for_the_intervals_still_to_come_not_the_output_layer
     assert len(starts) == 2, list(coord.reload_starts)
     assert all(0 <= where < LAYERS for where in starts) if by_position else starts == [-1, -1], starts
     # Several model chunks share the positions (one chunk's intervals were measured): the largest.
-    coord.model_chunks = 2
-    assert coord._workspace_for(LAYERS - 1) == 4 * workspace
-    coord.model_chunks = 1
+    before = coord.model_chunks
+    coord.watch_model([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    assert coord.model_chunks == before + 2 and coord._workspace_for(LAYERS - 1) == 4 * workspace
+    coord.model_chunks = before
     # An interval begun at a hook of unknown position (inside a recomputation) is measured under
     # None, and from then on every reload leaves the largest of all.
     coord.it.workspace_mark = coord._allocated_total() - coord._own_allocations

@@ -603,3 +603,10 @@ def test_the_calibrations_bound_has_a_benchmark_modifier_the_mock_understands():
     field, parse = pretrain_gpt_mock.DIAGNOSTIC_ENV[var]
     assert field == "calibration_host_lead_layers" and parse(value) is None and parse("2") == 2
     assert field in {f.name for f in dataclasses.fields(OffloadConfig)}
+    (var, value), = benchmark.MODIFIERS["calnocap"].items()
+    field, parse = pretrain_gpt_mock.DIAGNOSTIC_ENV[var]
+    assert field == "second_calibration_capped" and parse(value) is False and parse("1") is True
+    assert field in {f.name for f in dataclasses.fields(OffloadConfig)}
+    for modifier, field, off in (("wsmax", "workspace_by_position", False), ("nows", "keep_backward_workspace", False)):
+        (var, value), = benchmark.MODIFIERS[modifier].items()
+        assert pretrain_gpt_mock.DIAGNOSTIC_ENV[var][0] == field and pretrain_gpt_mock.DIAGNOSTIC_ENV[var][1](value) is off
