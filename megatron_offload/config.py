@@ -83,7 +83,7 @@ class OffloadConfig:
     # The host-lead bound of the automatic fraction's calibration iterations (None: the run's own).
     calibration_host_lead_layers: Optional[int] = CALIBRATION_HOST_LEAD_LAYERS
     # The second calibration's reading bounded by the first's untrimmed estimate
-    # (auto_fraction.refine; False: not where the second ran undisturbed, the benchmark's @calnocap).
+    # (auto_fraction.refine; False: not where the second had no copy waits, the benchmark's @calnocap).
     second_calibration_capped: bool = True
 
     def __post_init__(self):

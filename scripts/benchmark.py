@@ -81,7 +81,7 @@ MODIFIERS = {
     # (config.CALIBRATION_HOST_LEAD_LAYERS).
     "calrun": {"MEGATRON_OFFLOAD_CAL_HOST_LEAD": "run"},
     # The second calibration's reading not bounded by the first's untrimmed estimate where the
-    # second ran undisturbed (auto_fraction.refine's capped=False).
+    # second had no copy waits to speak of (auto_fraction.refine's capped=False).
     "calnocap": {"MEGATRON_OFFLOAD_CAL_CAP": "0"},
     # Once the whole copy-out has finished, the next forward hook frees all of it (not only what
     # the budget asks: OffloadConfig.free_when_copied_out).
