@@ -44,9 +44,8 @@ class MemoryPolicy:
         self.profile: List[int] = []  # the first forward's growth per layer (running max)
         self.profile_end: Optional[int] = None
         self.peak_growth: Optional[int] = None
-        self.backward_workspace = 0  # most bytes one layer's backward allocated (own reloads excluded)
-        # The same per backward interval, keyed by the position of the hook that began it
-        # (`_workspace_for`; None: a hook of unknown position).
+        # What each interval of the first backward allocated (own reloads excluded), keyed by the
+        # position of the hook that began it (`_workspace_for`; None: a hook of unknown position).
         self.workspace_per_interval: Dict[Optional[int], int] = {}
         self.model_chunks = 0  # model chunks `watch_model` hooked (their positions coincide)
         self._own_allocations = 0  # chunk bytes the reloads allocated (on the compute stream)
@@ -325,11 +324,15 @@ class MemoryPolicy:
             return
         now = self._allocated_total() - self._own_allocations
         used = now - it.workspace_mark
-        self.backward_workspace = max(self.backward_workspace, used)
         key = it.workspace_key
         self.workspace_per_interval[key] = max(self.workspace_per_interval.get(key, 0), used)
         it.workspace_mark = None if last else now
         it.workspace_key = next_key
+
+    @property
+    def backward_workspace(self) -> int:
+        """The most any interval of the first backward allocated (0 before one was measured)."""
+        return max(self.workspace_per_interval.values(), default=0)
 
     def _workspace_for(self, position: Optional[int]) -> int:
         """The room a reload at backward hook `position` leaves (`_fitting`): the most any

@@ -2165,7 +2165,7 @@ def test_fit_pre_check_never_changes_what_fits():
             self._init_memory_policy()
             self._free_block_sizes = lambda: list(blocks)
             self._free_mapped = free_mapped
-            self.backward_workspace = workspace
+            self.workspace_per_interval = {None: workspace}
             self._slot = lambda: slot
 
     rng = random.Random(1)
