@@ -23,6 +23,7 @@ concerns live in their own modules, each a mixin of this class over the state se
     state_access      checkpoint and other readers/writers outside the step; start-up offload
     phase_switch      the whole state off the GPU and back between training phases (RL)
     ledger            bytes by chunk state, reports
+    lifecycle         the loop's hooks: inert once closed, their host time (`hook_clock`)
 
 The coordinator imports nothing from `megatron.training`; any training loop can drive it through
 `forward_begin` / `forward_end` / `backward_begin` / `grads_finalizing` / `optimizer_step_done`, with
@@ -33,7 +34,6 @@ The coordinator imports nothing from `megatron.training`; any training loop can 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import logging
 from typing import Callable, List, Optional
@@ -48,6 +48,7 @@ from .config import AllocatorProbes, OffloadConfig
 from .copy_feeder import CopyOutFeeder
 from .iteration import ForwardSample, IterationRecord, IterationState
 from .ledger import Ledger
+from .lifecycle import HookClock, lifecycle
 from .memory_policy import MemoryPolicy
 from .offloader import ChunkState, OptimizerStateOffloader
 from .phase import Phase
@@ -57,19 +58,6 @@ from .state_access import StateAccess
 from .streams import CopyStreams, HostLeadBound
 
 logger = logging.getLogger(__name__)
-
-
-def _inert_once_closed(method):
-    """A lifecycle method that does nothing after `close()`: a loop that caught an error of ours
-    (or detached on purpose) may keep calling the hooks, which must then not move state."""
-
-    @functools.wraps(method)
-    def wrapper(self, *a, **k):
-        if self.closed:
-            return None
-        return method(self, *a, **k)
-
-    return wrapper
 
 
 class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess, PhaseSwitch,
@@ -116,6 +104,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
 
         self.offloaders: List[OptimizerStateOffloader] = []
         self.closed = False  # set by close(): the lifecycle methods are inert from then on
+        self.hook_clock = HookClock()  # host time in the lifecycle methods (lifecycle.py)
         self.phase = Phase.NO_STATE  # where the state is (phase.py)
         self.it = IterationRecord(state=IterationState.STARTUP)  # where the loop is (iteration.py)
         self._iterations_done = 0
@@ -147,7 +136,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
     # ------------------------------------------------------------------------------------------
     # Training-loop lifecycle
     # ------------------------------------------------------------------------------------------
-    @_inert_once_closed
+    @lifecycle
     def start_pending_copy_out(self) -> None:
         """Enqueue the copy-out of the last step (normally done by the next forward)."""
         self._stepped_since_forward = False
@@ -158,7 +147,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self._chunks(ChunkState.COPYING_OUT):
             self.phase = Phase.FREEING
 
-    @_inert_once_closed
+    @lifecycle
     def forward_begin(self, training: bool = True) -> None:
         first = training and self.it.forwards == 0
         # Every rank measures, even one with nothing offloaded (a fraction below its first
@@ -194,7 +183,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
                                       freed_at_first_hook=self.peak_growth is None)
         self._trace("forward_begin")
 
-    @_inert_once_closed
+    @lifecycle
     def layer_forward_begin(self) -> None:
         """A pacing module (a transformer layer, then the output layer) is about to run its
         forward: call it once per module, in forward order, between `forward_begin(True)` and
@@ -220,7 +209,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         self.it.position += 1
         self._pace_layer(h)
 
-    @_inert_once_closed
+    @lifecycle
     def forward_end(self) -> None:
         it = self.it
         if it.forwards == 0:
@@ -235,7 +224,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             it.forward_end_max = max(it.forward_end_max, self._allocated())
         self._mark("fwd_end")
 
-    @_inert_once_closed
+    @lifecycle
     def backward_begin(self) -> None:
         self._mark("bwd_begin")
         it = self.it
@@ -253,14 +242,14 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             self._release_cache_at("reload_window")
             self._reload_up_to(self._reload_ceiling(), position=it.position)
 
-    @_inert_once_closed
+    @lifecycle
     def backward_end(self) -> None:
         """The backward of one microbatch is enqueued (phase mark for the automatic fraction; the
         first backward's last workspace interval ends)."""
         self._mark("bwd_end")
         self._sample_workspace(None, last=True)
 
-    @_inert_once_closed
+    @lifecycle
     def layer_backward_begin(self, position: Optional[int] = None) -> None:
         """The gradient of pacing module `position`'s output is ready: the backward has finished
         every pacing module after it, and module `position`'s own backward comes next. `position`
@@ -278,7 +267,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         if self.it.state is IterationState.RELOAD_WINDOW and self.bytes_in(ChunkState.OFFLOADED):
             self._reload_up_to(self._reload_ceiling(), position=position)
 
-    @_inert_once_closed
+    @lifecycle
     def grads_finalizing(self) -> None:
         """All backwards are enqueued: reload whatever is still off (fallback trigger)."""
         self._trace("grads_finalizing")
@@ -294,7 +283,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             self._reload_up_to(None)
         self._update_peak_growth()
 
-    @_inert_once_closed
+    @lifecycle
     def optimizer_step_begin(self) -> None:
         """The training loop is about to call the (chained) optimizer's step."""
         self._mark("step_begin")
@@ -325,7 +314,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             self._announce()
         self._trace(f"step_end:{off.name}")
 
-    @_inert_once_closed
+    @lifecycle
     def optimizer_step_done(self) -> None:
         """After the whole (chained) optimizer step returned, whether it updated or skipped.
 

@@ -251,15 +251,46 @@ def workspace_text(result):
     return text
 
 
-def timed_waits(iterations, warmup):
-    """(before free, before step) ms per iteration over `iterations[warmup:]`, from the cumulative
-    `exposed_ms` each iteration recorded; None where the records lack them (no plugin, older JSON)."""
-    cumulative = [it.get("exposed_ms") for it in iterations]
+def _timed_span(iterations, warmup, key):
+    """(the value before `iterations[warmup:]` or None at warm-up 0, the last value, how many timed
+    iterations) of the cumulative per-iteration record `key`; None where the records lack it (no
+    plugin, older JSON)."""
+    cumulative = [it.get(key) for it in iterations]
     timed = len(cumulative) - warmup
     if timed <= 0 or cumulative[-1] is None or (warmup and cumulative[warmup - 1] is None):
         return None
-    start = cumulative[warmup - 1] if warmup else (0.0, 0.0)
-    return [(end - begin) / timed for end, begin in zip(cumulative[-1], start)]
+    return (cumulative[warmup - 1] if warmup else None), cumulative[-1], timed
+
+
+def timed_waits(iterations, warmup):
+    """(before free, before step) ms per iteration over `iterations[warmup:]`, from the cumulative
+    `exposed_ms` each iteration recorded; None where the records lack them."""
+    span = _timed_span(iterations, warmup, "exposed_ms")
+    if span is None:
+        return None
+    start, end, timed = span
+    return [(e - b) / timed for e, b in zip(end, start or (0.0, 0.0))]
+
+
+def timed_hook_ms(iterations, warmup):
+    """Host ms per iteration in the plugin's hooks over `iterations[warmup:]`, from the cumulative
+    `hook_ms` each iteration recorded; None where the records lack it."""
+    span = _timed_span(iterations, warmup, "hook_ms")
+    if span is None:
+        return None
+    start, end, timed = span
+    return (end - (start or 0.0)) / timed
+
+
+def hooks_text(r):
+    """The plugin's host time in its hooks as the transfer note prints it."""
+    timed = r.get("timed_hook_ms")
+    if timed is None:
+        return "host time in hooks: not recorded"
+    calls = r.get("hook_calls") or {}
+    most = sorted((r.get("hook_host_ms") or {}).items(), key=lambda kv: -kv[1])[:3]
+    return (f"host time in hooks {timed:.1f} ms per timed iteration (whole run, most: "
+            + ", ".join(f"{k} {v:.0f} ms / {calls.get(k, 0)} calls" for k, v in most) + ")")
 
 
 def waits_text(r):
@@ -317,6 +348,10 @@ def summarize(run, warmup):
         # rank 0's waits per timed iteration, (before free, before step) ms: the run's totals also hold
         # the start-up offloads and an automatic fraction's calibrations
         "timed_exposed_ms": timed_waits(ranks[0]["iterations"], warmup),
+        # rank 0's host ms per timed iteration in the plugin's hooks, and per hook over the run
+        "timed_hook_ms": timed_hook_ms(ranks[0]["iterations"], warmup),
+        "hook_host_ms": ranks[0].get("hook_host_ms"),
+        "hook_calls": ranks[0].get("hook_calls"),
         # rank 0's growth per pacing hook of the first forward, and its peak (MiB)
         "growth_profile_mib": [g / 2**20 for g in ranks[0].get("growth_profile") or []],
         "peak_growth_mib": (ranks[0].get("peak_growth") or 0) / 2**20,
@@ -627,7 +662,7 @@ def report(results, ceilings):
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
                   f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; host-lead waits "
                   f"{(r.get('host_lead_waits') or [0])[0] or 0} ({(r.get('host_lead_wait_ms') or [0])[0] or 0:.0f} ms in "
-                  f"all); expandable segments {r['expandable_segments']}")
+                  f"all); {hooks_text(r)}; expandable segments {r['expandable_segments']}")
         if ref and ref is not r and "host_drop_gib" in r and "host_drop_gib" in ref:
             # Acceptance of the host-memory fix: node drop over the baseline's <= 1.05 x pinned + 1 GiB/rank.
             extra = r["host_drop_gib"] - ref["host_drop_gib"]

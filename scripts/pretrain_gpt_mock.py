@@ -378,6 +378,13 @@ def _plugin_exposed_so_far():
     return list(coord.streams.stats.exposed_so_far()) if coord is not None else None
 
 
+def _plugin_hook_ms_so_far():
+    """Host ms spent in megatron-offload's lifecycle hooks so far, or None without it."""
+    coord = getattr(sys.modules.get("megatron_offload.megatron_wiring"), "coordinator", None)
+    clock = getattr(coord, "hook_clock", None)
+    return clock.total_ms if clock is not None else None
+
+
 # The benchmark's diagnostic modes (scripts/benchmark.py's '@' modifiers) as overrides of the
 # plugin's OffloadConfig; the plugin itself reads no such variable.
 DIAGNOSTIC_ENV = {
@@ -609,6 +616,9 @@ class Recorder:
                     # The plugin's compute-stream waits since the start, (before free, before step) ms:
                     # the benchmark takes the timed iterations' share (start-up offloads excluded).
                     "exposed_ms": _plugin_exposed_so_far(),
+                    # The host time in the plugin's hooks since the start (the benchmark takes the
+                    # timed iterations' share).
+                    "hook_ms": _plugin_hook_ms_so_far(),
                 }
             )
             return result
@@ -825,6 +835,9 @@ class Recorder:
                     "free_host_wait_ms": coord.free_host_wait_ms,
                     "host_lead_waits": coord.host_lead.waits,
                     "host_lead_wait_ms": coord.host_lead.wait_ms,
+                    # host ms and calls per lifecycle hook over the whole run
+                    "hook_host_ms": dict(coord.hook_clock.ms),
+                    "hook_calls": dict(coord.hook_clock.calls),
                     # The first forward's activation growth per pacing hook (running max over the
                     # iterations) and its peak: the budget's input, against the planner's linear phases.
                     "growth_profile": list(coord.profile),

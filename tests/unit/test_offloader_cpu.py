@@ -2281,3 +2281,36 @@ def test_the_coordinator_marks_the_host_lead_at_every_layer_hook(monkeypatch):
     monkeypatch.setattr(coordinator_module, "in_backward", lambda: True)
     coord.layer_forward_begin()
     assert len(marks) == 2 * 2 * 2 * LAYERS
+
+
+def test_the_hook_clock_counts_each_outermost_lifecycle_call_once():
+    """`hook_clock` counts every lifecycle call the loop makes, under its own name and once (a
+    lifecycle method called from another, as `forward_begin` calls `start_pending_copy_out`,
+    counts in the caller's time only), resets after an exception, and counts nothing once closed."""
+    opt = FakeDistOpt()
+    coord = make_coord()
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    for step in range(1, 3):
+        one_iteration(opt, coord, step)
+    clock = coord.hook_clock
+    per_iteration = {"forward_begin": 2, "layer_forward_begin": 2 * LAYERS, "forward_end": 2, "backward_begin": 2,
+                     "layer_backward_begin": 2 * LAYERS, "grads_finalizing": 1, "optimizer_step_done": 1}
+    assert clock.calls == {name: 2 * n for name, n in per_iteration.items()}, clock.calls
+    assert set(clock.ms) == set(clock.calls) and all(ms >= 0.0 for ms in clock.ms.values())
+    assert clock.total_ms == pytest.approx(sum(clock.ms.values()))
+    coord.start_pending_copy_out()  # called by the loop itself: its own entry
+    assert clock.calls["start_pending_copy_out"] == 1
+
+    def failing():
+        raise RuntimeError("in a hook")
+
+    coord._hide_host_copies, hide = failing, coord._hide_host_copies
+    with pytest.raises(RuntimeError, match="in a hook"):
+        coord.grads_finalizing()
+    coord._hide_host_copies = hide
+    assert not clock.inside and clock.calls["grads_finalizing"] == 3  # (two iterations, then the failing call)
+    coord.close()
+    before = dict(clock.calls)
+    assert coord.forward_begin(True) is None
+    assert clock.calls == before

@@ -497,6 +497,37 @@ def test_the_benchmark_reports_the_waits_of_the_timed_iterations_beside_the_whol
     assert benchmark.waits_text(r) == "before free 39.4 ms, before step 18.2 ms (whole run)"
 
 
+def test_the_benchmark_reports_the_plugins_host_time_in_its_hooks(capsys):
+    """Host ms per timed iteration in the plugin's hooks, from rank 0's cumulative per-iteration
+    record, and the three hooks that took most over the run, in the transfer note; records without
+    them say so."""
+    benchmark = _benchmark()
+    assert benchmark.timed_hook_ms([{"hook_ms": c} for c in (50.0, 60.0, 64.0, 70.0)], warmup=1) == (70.0 - 50.0) / 3
+    assert benchmark.timed_hook_ms([{"hook_ms": c} for c in (50.0, 60.0)], warmup=0) == 30.0
+    assert benchmark.timed_hook_ms([{"hook_ms": None}] * 3, warmup=1) is None  # (no plugin)
+    assert benchmark.timed_hook_ms([{}] * 3, warmup=1) is None  # (older records)
+
+    def it(hook_ms):
+        return {"ms": 10.0, "loss": "0x1p+0", "skipped": 0, "max_allocated": 1 << 20, "max_reserved": 1 << 20,
+                "exposed_ms": [0.0, 0.0], "hook_ms": hook_ms}
+
+    rank0 = {"iterations": [it(40.0), it(48.0), it(57.0)],
+             "transfer": {"d2h_gbps": 50.0, "h2d_gbps": 50.0, "exposed_d2h_ms": 0.0, "exposed_h2d_ms": 0.0,
+                          "iterations": 3},
+             "hook_host_ms": {"forward_begin": 1.0, "layer_forward_begin": 30.0, "layer_backward_begin": 20.0,
+                              "grads_finalizing": 6.0},
+             "hook_calls": {"forward_begin": 12, "layer_forward_begin": 300, "layer_backward_begin": 300,
+                            "grads_finalizing": 3}}
+    r = benchmark.summarize({"ranks": [rank0, {"iterations": [it(0.0)] * 3}], "seconds": 1.0}, warmup=1)
+    assert r["timed_hook_ms"] == 8.5
+    benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
+    assert ("host time in hooks 8.5 ms per timed iteration (whole run, most: layer_forward_begin 30 ms / 300 "
+            "calls, layer_backward_begin 20 ms / 300 calls, grads_finalizing 6 ms / 3 calls)") in capsys.readouterr().out
+    r["timed_hook_ms"] = None
+    benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
+    assert "host time in hooks: not recorded" in capsys.readouterr().out
+
+
 def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys):
     """summarize takes rank 0's cumulative waits over iterations[warmup:] (and rank 0's growth
     profile), and the report's transfer note prints them beside the whole run's average."""
