@@ -251,35 +251,29 @@ def workspace_text(result):
     return text
 
 
-def _timed_span(iterations, warmup, key):
-    """(the value before `iterations[warmup:]` or None at warm-up 0, the last value, how many timed
-    iterations) of the cumulative per-iteration record `key`; None where the records lack it (no
+def timed_per_iteration(iterations, warmup, key):
+    """The mean per iteration over `iterations[warmup:]` of the cumulative per-iteration record
+    `key` (a number, or a list of numbers: one mean each); None where the records lack it (no
     plugin, older JSON)."""
     cumulative = [it.get(key) for it in iterations]
     timed = len(cumulative) - warmup
     if timed <= 0 or cumulative[-1] is None or (warmup and cumulative[warmup - 1] is None):
         return None
-    return (cumulative[warmup - 1] if warmup else None), cumulative[-1], timed
+    end = cumulative[-1]
+    start = cumulative[warmup - 1] if warmup else (0.0 if not isinstance(end, list) else [0.0] * len(end))
+    if isinstance(end, list):
+        return [(e - b) / timed for e, b in zip(end, start)]
+    return (end - start) / timed
 
 
 def timed_waits(iterations, warmup):
-    """(before free, before step) ms per iteration over `iterations[warmup:]`, from the cumulative
-    `exposed_ms` each iteration recorded; None where the records lack them."""
-    span = _timed_span(iterations, warmup, "exposed_ms")
-    if span is None:
-        return None
-    start, end, timed = span
-    return [(e - b) / timed for e, b in zip(end, start or (0.0, 0.0))]
+    """(before free, before step) ms per iteration over the timed iterations (`exposed_ms`)."""
+    return timed_per_iteration(iterations, warmup, "exposed_ms")
 
 
 def timed_hook_ms(iterations, warmup):
-    """Host ms per iteration in the plugin's hooks over `iterations[warmup:]`, from the cumulative
-    `hook_ms` each iteration recorded; None where the records lack it."""
-    span = _timed_span(iterations, warmup, "hook_ms")
-    if span is None:
-        return None
-    start, end, timed = span
-    return (end - (start or 0.0)) / timed
+    """Host ms per iteration in the plugin's hooks over the timed iterations (`hook_ms`)."""
+    return timed_per_iteration(iterations, warmup, "hook_ms")
 
 
 def hooks_text(r):
