@@ -1,7 +1,9 @@
 """The coordinator's lifecycle methods (what a training loop calls: `forward_begin`,
 `layer_forward_begin`, ..., `optimizer_step_done`): inert once the coordinator is closed, and
-their host time counted per method (`HookClock`), so that a run can tell the plugin's own host
-time per iteration apart from what its copies cost."""
+their host time counted per method (`HookClock`). The time includes what a hook blocks on (the
+host-lead bound's and the frees' waits, counted apart in `host_lead.wait_ms` and
+`free_host_wait_ms`) and the automatic fraction's calibration; not the optimizer-step hooks
+(`_before_inner_step`, `_after_inner_step`) nor the Megatron wrappers around the coordinator."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from typing import Dict
 
 class HookClock:
     """Host milliseconds spent in each lifecycle method, and its calls. Outermost calls only: a
-    lifecycle method that calls another is counted once, under its own name. The hooks run on the
-    training loop's thread only (the copy feeder's thread calls none of them)."""
+    lifecycle method that calls another is counted once, under its own name. One hook runs at a
+    time: on the loop's thread, or (`layer_backward_begin`, a gradient hook) on autograd's device
+    thread while the loop waits in `backward()`; the copy feeder's thread calls none of them."""
 
     def __init__(self):
         self.ms: Dict[str, float] = {}

@@ -259,9 +259,9 @@ def timed_per_iteration(iterations, warmup, key):
     timed = len(cumulative) - warmup
     if timed <= 0 or cumulative[-1] is None or (warmup and cumulative[warmup - 1] is None):
         return None
-    end = cumulative[-1]
-    start = cumulative[warmup - 1] if warmup else (0.0 if not isinstance(end, list) else [0.0] * len(end))
-    if isinstance(end, list):
+    end, many = cumulative[-1], isinstance(cumulative[-1], (list, tuple))
+    start = cumulative[warmup - 1] if warmup else ([0.0] * len(end) if many else 0.0)
+    if many:
         return [(e - b) / timed for e, b in zip(end, start)]
     return (end - start) / timed
 

@@ -2314,3 +2314,25 @@ def test_the_hook_clock_counts_each_outermost_lifecycle_call_once():
     before = dict(clock.calls)
     assert coord.forward_begin(True) is None
     assert clock.calls == before
+
+
+def test_the_hook_clock_counts_milliseconds_of_the_host(monkeypatch):
+    """What `hook_clock` adds per call is the host clock's difference, in milliseconds."""
+    from megatron_offload import lifecycle
+
+    class Loop:
+        closed = False
+
+        def __init__(self):
+            self.hook_clock = lifecycle.HookClock()
+
+        @lifecycle.lifecycle
+        def forward_begin(self):
+            return "ran"
+
+    ticks = iter([10.0, 10.25, 20.0, 20.5])
+    monkeypatch.setattr(lifecycle.time, "perf_counter", lambda: next(ticks))
+    loop = Loop()
+    assert loop.forward_begin() == "ran" and loop.forward_begin() == "ran"
+    assert loop.hook_clock.ms == {"forward_begin": pytest.approx(750.0)}
+    assert loop.hook_clock.calls == {"forward_begin": 2}

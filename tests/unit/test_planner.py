@@ -506,6 +506,7 @@ def test_the_benchmark_reports_the_plugins_host_time_in_its_hooks(capsys):
     assert benchmark.timed_hook_ms([{"hook_ms": c} for c in (50.0, 60.0)], warmup=0) == 30.0
     assert benchmark.timed_hook_ms([{"hook_ms": None}] * 3, warmup=1) is None  # (no plugin)
     assert benchmark.timed_hook_ms([{}] * 3, warmup=1) is None  # (older records)
+    assert benchmark.timed_waits([{"exposed_ms": (4.0, 2.0)}, {"exposed_ms": (10.0, 8.0)}], warmup=0) == [5.0, 4.0]
 
     def it(hook_ms):
         return {"ms": 10.0, "loss": "0x1p+0", "skipped": 0, "max_allocated": 1 << 20, "max_reserved": 1 << 20,
