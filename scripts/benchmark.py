@@ -352,6 +352,9 @@ def summarize(run, warmup):
         "expandable_segments": [r.get("expandable_segments") for r in ranks],
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "auto_calibrations": ranks[0].get("auto_calibrations") or [],  # (rank 0's, as the planner's timeline)
+        # every rank's readings, without the marks (which rank decided, and whether the cap did)
+        "auto_readings": [[{k: c.get(k) for k in READING_KEYS} | {"iteration_ms": marks_span(c.get("marks"))}
+                           for c in r.get("auto_calibrations") or []] for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
         # Copy-out pieces the feeder enqueued (copy_feeder.py): > 0 where the copy-out started in the step.
         "feeder_enqueued_pieces": [r.get("feeder_enqueued_pieces") for r in ranks],
@@ -528,6 +531,8 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
                   f"chosen in-run: {[a and round(a['fraction'], 2) for a in r.get('auto_fraction') or []]}")
             for cal in r.get("auto_calibrations") or []:
                 print(f"planner {name}: " + replay_calibration(cal, marks, gbps, both_gbps or 2 * gbps))
+            if any(len(readings) > 1 for readings in r.get("auto_readings") or []):
+                print(f"planner {name}: " + readings_text(r["auto_readings"], r.get("auto_fraction") or []))
     return rows
 
 
@@ -575,6 +580,38 @@ def phase_excess(base, result, prof, engine_floor):
     return {k: measured[k] - modelled[k] for k in PHASE_GROUPS}
 
 
+READING_KEYS = ("iteration", "free_fraction", "free_upper", "stalls_ms", "d2h_gbps", "h2d_gbps")
+
+
+def marks_span(marks):
+    """ms from a timeline's first mark to its last (0 without marks)."""
+    return marks[-1][1] - marks[0][1] if marks else 0.0
+
+
+def readings_text(readings, choices):
+    """Each rank's first and second calibration (free share trimmed / untrimmed) and what
+    `auto_fraction.refine` makes of them with the cap and without (the `@calnocap` diagnostic),
+    beside the free share the job agreed on: which rank decided, and whether the cap did."""
+    from megatron_offload import auto_fraction
+
+    def choice(rec):
+        return auto_fraction.Choice(0.0, rec["free_fraction"], 0.0, rec["iteration_ms"], rec["stalls_ms"],
+                                    rec.get("d2h_gbps") or 0.0, rec.get("h2d_gbps") or 0.0,
+                                    free_upper=rec["free_upper"])
+
+    parts = []
+    for rank, recs in enumerate(readings):
+        if len(recs) < 2:
+            continue
+        first, second = choice(recs[0]), choice(recs[-1])
+        capped, lifted = (auto_fraction.refine(first, second, capped=c).free_fraction for c in (True, False))
+        parts.append(f"rank {rank} {first.free_fraction:.3f} / {first.free_upper:.3f}, then {second.free_fraction:.3f} / "
+                     f"{second.free_upper:.3f} -> {capped:.3f} capped, {lifted:.3f} without the cap")
+    agreed = [c["free_fraction"] for c in choices if c]
+    return ("per rank, first then second calibration (free share trimmed / untrimmed): " + "; ".join(parts)
+            + (f"; the job agreed on {min(agreed):.3f}" if agreed else ""))
+
+
 def replay_calibration(cal, base_marks, gbps, both_gbps):
     """One in-run calibration of the automatic fraction (rank 0's record) against the baseline.
 
@@ -608,8 +645,7 @@ def replay_calibration(cal, base_marks, gbps, both_gbps):
 
     names = ("first forward", "later forwards", "last backward", "step")
     both = ", ".join(f"{n} {a:.1f} / {b:.1f}" for n, a, b in zip(names, summary(cal["marks"]), summary(base_marks)))
-    span = cal["marks"][-1][1] - cal["marks"][0][1] if cal["marks"] else 0.0
-    base_span = base_marks[-1][1] - base_marks[0][1] if base_marks else 0.0
+    span, base_span = marks_span(cal["marks"]), marks_span(base_marks)
     trimmed = auto_fraction.first_forward_as_the_others(cal["marks"])
     in_run = dict(out=d2h, into=h2d, both=auto_fraction.BOTH_DIRECTIONS_SHARE * (d2h + h2d))
     return (f"calibration at iteration {cal['iteration']}: its own reading free {cal['free_fraction']:.3f} (untrimmed "

@@ -529,6 +529,36 @@ def test_the_benchmark_reports_the_plugins_host_time_in_its_hooks(capsys):
     assert "host time in hooks: not recorded" in capsys.readouterr().out
 
 
+def test_the_benchmark_shows_each_ranks_calibrations_and_what_the_cap_made_of_them(capsys):
+    """Every rank's two calibration readings, replayed through `refine` with the cap and without,
+    beside the share the job agreed on: where rank 1 read high, the cap decided."""
+    benchmark = _benchmark()
+
+    def cal(iteration, trimmed, untrimmed, stalls=0.1):
+        return {"iteration": iteration, "free_fraction": trimmed, "free_upper": untrimmed, "stalls_ms": stalls,
+                "d2h_gbps": 50.0, "h2d_gbps": 50.0, "marks": [["iter_begin", 0.0], ["step_end", 700.0]],
+                "state_bytes": 1 << 30}
+
+    def it():
+        return {"ms": 10.0, "loss": "0x1p+0", "skipped": 0, "max_allocated": 1 << 20, "max_reserved": 1 << 20}
+
+    ranks = [{"iterations": [it()] * 3, "auto_calibrations": [cal(3, 0.381, 0.469, 128.0), cal(5, 0.385, 0.473)],
+              "auto_fraction": {"free_fraction": 0.465}},
+             {"iterations": [it()] * 3, "auto_calibrations": [cal(3, 0.378, 0.465, 90.0), cal(5, 0.484, 0.677)],
+              "auto_fraction": {"free_fraction": 0.465}}]
+    r = benchmark.summarize({"ranks": ranks, "seconds": 1.0}, warmup=1)
+    assert [[c["iteration"] for c in recs] for recs in r["auto_readings"]] == [[3, 5], [3, 5]]
+    assert r["auto_readings"][1][1]["iteration_ms"] == 700.0 and "marks" not in r["auto_readings"][1][1]
+    assert benchmark.readings_text(r["auto_readings"], r["auto_fraction"]) == (
+        "per rank, first then second calibration (free share trimmed / untrimmed): rank 0 0.381 / 0.469, then "
+        "0.385 / 0.473 -> 0.469 capped, 0.473 without the cap; rank 1 0.378 / 0.465, then 0.484 / 0.677 -> "
+        "0.465 capped, 0.677 without the cap; the job agreed on 0.465")
+    # A second calibration that waited (more than planner.FREE_COST of its iteration) is not lifted.
+    waited = [[{**c, "iteration_ms": 700.0} for c in (cal(3, 0.378, 0.465), cal(5, 0.484, 0.677, stalls=50.0))]]
+    assert "-> 0.465 capped, 0.465 without the cap" in benchmark.readings_text(waited, [])
+    assert "agreed" not in benchmark.readings_text(waited, [])
+
+
 def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys):
     """summarize takes rank 0's cumulative waits over iterations[warmup:] (and rank 0's growth
     profile), and the report's transfer note prints them beside the whole run's average."""
