@@ -369,20 +369,23 @@ def memhist_microbatch_marker(microbatch, backward):
 MICROBATCH_MARKER_BASE = 100  # below every iteration marker (1000 + 4 * iteration + k); < 1 MiB: small pool
 
 
+def _plugin_coordinator():
+    """megatron-offload's coordinator, or None without it (looked up, not imported: a run without
+    the plugin stays without it)."""
+    return getattr(sys.modules.get("megatron_offload.megatron_wiring"), "coordinator", None)
+
+
 def _plugin_exposed_so_far():
     """megatron-offload's (before free, before step) wait totals so far, or None without it. Read
-    after the compute stream's sync at an iteration's end, so that iteration's waits are complete.
-    (Looked up, not imported: a run without the plugin stays without it.)"""
-    wiring = sys.modules.get("megatron_offload.megatron_wiring")
-    coord = getattr(wiring, "coordinator", None)
+    after the compute stream's sync at an iteration's end, so that iteration's waits are complete."""
+    coord = _plugin_coordinator()
     return list(coord.streams.stats.exposed_so_far()) if coord is not None else None
 
 
 def _plugin_hook_ms_so_far():
     """Host ms spent in megatron-offload's lifecycle hooks so far, or None without it."""
-    coord = getattr(sys.modules.get("megatron_offload.megatron_wiring"), "coordinator", None)
-    clock = getattr(coord, "hook_clock", None)
-    return clock.total_ms if clock is not None else None
+    coord = _plugin_coordinator()
+    return coord.hook_clock.total_ms if coord is not None else None
 
 
 # The benchmark's diagnostic modes (scripts/benchmark.py's '@' modifiers) as overrides of the
