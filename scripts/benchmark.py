@@ -536,23 +536,26 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
     return rows
 
 
-PHASE_GROUPS = ("before the forwards", "first forward", "rest", "last backward", "step")
+PHASE_GROUPS = ("before the forwards", "first forward", "rest", "last backward", "before the step", "step")
 
 
 def phase_totals(segments, durations=None) -> dict:
     """Milliseconds per PHASE_GROUPS entry of planner segments: the gaps before the first forward,
-    the first forward, the last backward, the step(s) and the rest (every phase and gap between
-    the first forward and the last backward, and the gaps after it), from `durations` (e.g. a
-    prediction's `segment_ms`) or the segments' own `ms`. A run's measured phases against the
-    simulated ones say where its excess over the floor lies."""
+    the first forward, the last backward, the gaps between it and the first step after it
+    (gradient reduction, `finalize_model_grads`, the fallback reload), the step(s) and the rest
+    (every phase and gap between the first forward and the last backward, and the gaps after the
+    step), from `durations` (e.g. a prediction's `segment_ms`) or the segments' own `ms`. A run's
+    measured phases against the simulated ones say where its excess over the floor lies."""
     durations = [g.ms for g in segments] if durations is None else durations
     kinds = [g.kind for g in segments]
     first_forward = kinds.index("forward") if "forward" in kinds else len(kinds)
     last_backward = len(kinds) - 1 - kinds[::-1].index("backward") if "backward" in kinds else -1
+    step = next((k for k in range(last_backward + 1, len(kinds)) if kinds[k] == "step"), len(kinds))
     totals = dict.fromkeys(PHASE_GROUPS, 0.0)
     for k, (kind, ms) in enumerate(zip(kinds, durations)):
         group = ("before the forwards" if k < first_forward else "first forward" if k == first_forward
-                 else "last backward" if k == last_backward else "step" if kind == "step" else "rest")
+                 else "last backward" if k == last_backward else "before the step" if last_backward < k < step
+                 else "step" if kind == "step" else "rest")
         totals[group] += ms
     return totals
 

@@ -408,9 +408,12 @@ def test_simulated_segments_add_up_and_phase_totals_group_them():
             Segment("forward", 11, 0, 1), Segment("backward", 21, 1, 0), Segment("gap", 3, 0, 0),
             Segment("step", 5, 0, 0)]
     benchmark = _benchmark()
-    assert benchmark.phase_totals(segs) == {"before the forwards": 2, "first forward": 10, "rest": 34,
-                                          "last backward": 21, "step": 5}
-    assert benchmark.phase_totals(segs, [1] * 7)["rest"] == 3
+    assert benchmark.phase_totals(segs) == {"before the forwards": 2, "first forward": 10, "rest": 31,
+                                          "last backward": 21, "before the step": 3, "step": 5}
+    assert benchmark.phase_totals(segs, [1] * 7)["rest"] == 2
+    # A gap after the step is the rest's; one before it, only where it follows the last backward.
+    tail = segs + [Segment("gap", 7, 0, 0)]
+    assert benchmark.phase_totals(tail)["rest"] == 38 and benchmark.phase_totals(tail)["before the step"] == 3
 
 
 def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
@@ -419,18 +422,18 @@ def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
     the floor is the baseline's phases, so the excess is the variant's phases over the baseline's."""
     benchmark = _benchmark()
 
-    def marks(first_forward, step):
+    def marks(first_forward, step, gap=4):
         t, out = 0.0, [("iter_begin", 0.0, 0)]
         for label, ms, alloc in (("fwd_begin", 1, 0), ("fwd_end", first_forward, 20 * GiB), ("bwd_begin", 0, 20 * GiB),
                                  ("bwd_end", 90, 0), ("fwd_begin", 0, 0), ("fwd_end", 80, 20 * GiB),
-                                 ("bwd_begin", 0, 20 * GiB), ("bwd_end", 90, 0), ("step_begin", 4, 0),
+                                 ("bwd_begin", 0, 20 * GiB), ("bwd_end", 90, 0), ("step_begin", gap, 0),
                                  ("step_end", step, 0)):
             t += ms
             out.append((label, t, alloc))
         return out
 
-    def run(first_forward, step, loop, **extra):
-        timeline = {"iteration": 8, "marks": marks(first_forward, step), "step_peak_growth": 0}
+    def run(first_forward, step, loop, gap=4, **extra):
+        timeline = {"iteration": 8, "marks": marks(first_forward, step, gap), "step_peak_growth": 0}
         span = timeline["marks"][-1][1]
         return {"timeline": timeline, "timelines": [timeline], "busy_timelines": [], "kept_gib": [0],
                 "median_ms": span + loop, "ratio": 1.0, **extra}
@@ -438,7 +441,8 @@ def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
     base = run(80, 30, loop=10, offloaded_gib=[0])
     offload = run(100, 60, loop=5, offloaded_gib=[2**-10])
     row = benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
-    expected = {"before the forwards": -5, "first forward": 20, "rest": 0, "last backward": 0, "step": 30}
+    expected = {"before the forwards": -5, "first forward": 20, "rest": 0, "last backward": 0, "before the step": 0,
+                "step": 30}
     assert row["phase_excess_ms"] == pytest.approx(expected, abs=0.2)
     out = capsys.readouterr().out
     assert "before the forwards -5.0, first forward +20.0, rest " in out and "step +30.0; in all +45.0" in out
@@ -447,6 +451,10 @@ def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
     row = benchmark.compare_with_planner({"baseline": base, "offload": fed}, 55.0)["offload"]
     assert row["engine_floor_ratio"] == pytest.approx(row["predicted_ratio_streamed"])
     assert row["phase_excess_ms"] == pytest.approx(expected, abs=0.2)
+    # A longer gap between the last backward and the step is its own group's.
+    late = run(100, 60, loop=5, gap=24, offloaded_gib=[2**-10])
+    row = benchmark.compare_with_planner({"baseline": base, "offload": late}, 55.0)["offload"]
+    assert row["phase_excess_ms"] == pytest.approx(dict(expected, **{"before the step": 20}), abs=0.2)
     # Without the variant's marks (older records) nothing is split.
     del offload["timelines"]
     assert "phase_excess_ms" not in benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
