@@ -65,7 +65,8 @@ class Calibration:
             # its own reading, before a second calibration's bounds (`refine`) and the job's `agree`.
             self.calibrations.append({"iteration": self._iterations_done, "marks": timeline, "stalls_ms": stalls_ms,
                                       "state_bytes": total, "d2h_gbps": d2h, "h2d_gbps": h2d,
-                                      "free_fraction": choice.free_fraction, "free_upper": choice.free_upper})
+                                      "free_fraction": choice.free_fraction, "free_upper": choice.free_upper,
+                                      "iteration_ms": choice.iteration_ms})
             if first is not None:
                 choice = auto_fraction.refine(first, choice, capped=self.config.second_calibration_capped)
         if self._smallest_in_group is not None:

@@ -353,8 +353,7 @@ def summarize(run, warmup):
         "auto_fraction": [r.get("auto_fraction") for r in ranks],
         "auto_calibrations": ranks[0].get("auto_calibrations") or [],  # (rank 0's, as the planner's timeline)
         # every rank's readings, without the marks (which rank decided, and whether the cap did)
-        "auto_readings": [[{k: c.get(k) for k in READING_KEYS} | {"iteration_ms": marks_span(c.get("marks"))}
-                           for c in r.get("auto_calibrations") or []] for r in ranks],
+        "auto_readings": [[reading(c) for c in r.get("auto_calibrations") or []] for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
         # Copy-out pieces the feeder enqueued (copy_feeder.py): > 0 where the copy-out started in the step.
         "feeder_enqueued_pieces": [r.get("feeder_enqueued_pieces") for r in ranks],
@@ -554,7 +553,7 @@ def phase_totals(segments, durations=None) -> dict:
     totals = dict.fromkeys(PHASE_GROUPS, 0.0)
     for k, (kind, ms) in enumerate(zip(kinds, durations)):
         group = ("before the forwards" if k < first_forward else "first forward" if k == first_forward
-                 else "last backward" if k == last_backward else "before the step" if last_backward < k < step
+                 else "last backward" if k == last_backward else "before the step" if 0 <= last_backward < k < step
                  else "step" if kind == "step" else "rest")
         totals[group] += ms
     return totals
@@ -583,7 +582,19 @@ def phase_excess(base, result, prof, engine_floor):
     return {k: measured[k] - modelled[k] for k in PHASE_GROUPS}
 
 
-READING_KEYS = ("iteration", "free_fraction", "free_upper", "stalls_ms", "d2h_gbps", "h2d_gbps")
+READING_KEYS = ("iteration", "free_fraction", "free_upper", "stalls_ms", "d2h_gbps", "h2d_gbps", "iteration_ms")
+
+
+def reading(cal):
+    """One calibration record without its marks. `iteration_ms` is the plugin's (the profile of
+    the trimmed timeline, which `refine`'s guard compares the waits with); records written
+    before it kept that figure get the trimmed marks' span."""
+    from megatron_offload import auto_fraction
+
+    out = {k: cal.get(k) for k in READING_KEYS}
+    if out["iteration_ms"] is None:
+        out["iteration_ms"] = marks_span(auto_fraction.first_forward_as_the_others(cal.get("marks") or []))
+    return out
 
 
 def marks_span(marks):
@@ -594,24 +605,28 @@ def marks_span(marks):
 def readings_text(readings, choices):
     """Each rank's first and second calibration (free share trimmed / untrimmed) and what
     `auto_fraction.refine` makes of them with the cap and without (the `@calnocap` diagnostic),
-    beside the free share the job agreed on: which rank decided, and whether the cap did."""
+    beside the free share the job agreed on: which rank decided, and whether the cap did. As in
+    the run, each rank's first choice is the job's after the first calibration (`agree`: the
+    smallest first reading), its cap its own untrimmed reading."""
     from megatron_offload import auto_fraction
 
-    def choice(rec):
-        return auto_fraction.Choice(0.0, rec["free_fraction"], 0.0, rec["iteration_ms"], rec["stalls_ms"],
-                                    rec.get("d2h_gbps") or 0.0, rec.get("h2d_gbps") or 0.0,
+    def choice(rec, free=None):
+        return auto_fraction.Choice(0.0, rec["free_fraction"] if free is None else free, 0.0, rec["iteration_ms"],
+                                    rec["stalls_ms"], rec.get("d2h_gbps") or 0.0, rec.get("h2d_gbps") or 0.0,
                                     free_upper=rec["free_upper"])
 
+    agreed_first = min((recs[0]["free_fraction"] for recs in readings if recs), default=None)
     parts = []
     for rank, recs in enumerate(readings):
         if len(recs) < 2:
             continue
-        first, second = choice(recs[0]), choice(recs[-1])
+        first, second = choice(recs[0], min(recs[0]["free_fraction"], agreed_first)), choice(recs[-1])
         capped, lifted = (auto_fraction.refine(first, second, capped=c).free_fraction for c in (True, False))
-        parts.append(f"rank {rank} {first.free_fraction:.3f} / {first.free_upper:.3f}, then {second.free_fraction:.3f} / "
+        parts.append(f"rank {rank} {recs[0]['free_fraction']:.3f} / {first.free_upper:.3f}, then {second.free_fraction:.3f} / "
                      f"{second.free_upper:.3f} -> {capped:.3f} capped, {lifted:.3f} without the cap")
     agreed = [c["free_fraction"] for c in choices if c]
-    return ("per rank, first then second calibration (free share trimmed / untrimmed): " + "; ".join(parts)
+    return ("per rank, first then second calibration (free share trimmed / untrimmed; the first's lower bound the "
+            f"job's smallest, {agreed_first:.3f}): " + "; ".join(parts)
             + (f"; the job agreed on {min(agreed):.3f}" if agreed else ""))
 
 

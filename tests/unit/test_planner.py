@@ -414,6 +414,10 @@ def test_simulated_segments_add_up_and_phase_totals_group_them():
     # A gap after the step is the rest's; one before it, only where it follows the last backward.
     tail = segs + [Segment("gap", 7, 0, 0)]
     assert benchmark.phase_totals(tail)["rest"] == 38 and benchmark.phase_totals(tail)["before the step"] == 3
+    between = segs[:3] + [Segment("gap", 4, 0, 0)] + segs[3:]
+    assert benchmark.phase_totals(between)["rest"] == 35 and benchmark.phase_totals(between)["before the step"] == 3
+    no_backward = [Segment("forward", 10, 0, 1), Segment("gap", 4, 0, 0), Segment("step", 5, 0, 0)]
+    assert benchmark.phase_totals(no_backward)["rest"] == 4 and benchmark.phase_totals(no_backward)["before the step"] == 0
 
 
 def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
@@ -544,8 +548,10 @@ def test_the_benchmark_shows_each_ranks_calibrations_and_what_the_cap_made_of_th
 
     def cal(iteration, trimmed, untrimmed, stalls=0.1):
         return {"iteration": iteration, "free_fraction": trimmed, "free_upper": untrimmed, "stalls_ms": stalls,
-                "d2h_gbps": 50.0, "h2d_gbps": 50.0, "marks": [["iter_begin", 0.0], ["step_end", 700.0]],
-                "state_bytes": 1 << 30}
+                "d2h_gbps": 50.0, "h2d_gbps": 50.0, "state_bytes": 1 << 30,
+                # a first forward 30 ms longer than the later one (trimmed: a 670 ms iteration)
+                "marks": [["iter_begin", 0.0, 0], ["fwd_begin", 0.0, 0], ["fwd_end", 80.0, 0], ["fwd_begin", 80.0, 0],
+                          ["fwd_end", 130.0, 0], ["step_end", 700.0, 0]]}
 
     def it():
         return {"ms": 10.0, "loss": "0x1p+0", "skipped": 0, "max_allocated": 1 << 20, "max_reserved": 1 << 20}
@@ -556,15 +562,21 @@ def test_the_benchmark_shows_each_ranks_calibrations_and_what_the_cap_made_of_th
               "auto_fraction": {"free_fraction": 0.465}}]
     r = benchmark.summarize({"ranks": ranks, "seconds": 1.0}, warmup=1)
     assert [[c["iteration"] for c in recs] for recs in r["auto_readings"]] == [[3, 5], [3, 5]]
-    assert r["auto_readings"][1][1]["iteration_ms"] == 700.0 and "marks" not in r["auto_readings"][1][1]
+    assert r["auto_readings"][1][1]["iteration_ms"] == 670.0 and "marks" not in r["auto_readings"][1][1]
+    assert benchmark.reading(dict(cal(5, 0.4, 0.5), iteration_ms=612.5))["iteration_ms"] == 612.5  # (the plugin's)
     assert benchmark.readings_text(r["auto_readings"], r["auto_fraction"]) == (
-        "per rank, first then second calibration (free share trimmed / untrimmed): rank 0 0.381 / 0.469, then "
+        "per rank, first then second calibration (free share trimmed / untrimmed; the first's lower bound the job's "
+        "smallest, 0.378): rank 0 0.381 / 0.469, then "
         "0.385 / 0.473 -> 0.469 capped, 0.473 without the cap; rank 1 0.378 / 0.465, then 0.484 / 0.677 -> "
         "0.465 capped, 0.677 without the cap; the job agreed on 0.465")
     # A second calibration that waited (more than planner.FREE_COST of its iteration) is not lifted.
-    waited = [[{**c, "iteration_ms": 700.0} for c in (cal(3, 0.378, 0.465), cal(5, 0.484, 0.677, stalls=50.0))]]
+    waited = [[benchmark.reading(c) for c in (cal(3, 0.378, 0.465), cal(5, 0.484, 0.677, stalls=50.0))]]
     assert "-> 0.465 capped, 0.465 without the cap" in benchmark.readings_text(waited, [])
     assert "agreed" not in benchmark.readings_text(waited, [])
+    # Each rank's lower bound is the job's first choice (the smallest first reading), as `agree` set it.
+    lower = [[benchmark.reading(c) for c in (cal(3, 0.50, 0.60), cal(5, 0.40, 0.45))],
+             [benchmark.reading(c) for c in (cal(3, 0.38, 0.40), cal(5, 0.39, 0.41))]]
+    assert "rank 0 0.500 / 0.600, then 0.400 / 0.450 -> 0.450 capped" in benchmark.readings_text(lower, [])
 
 
 def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys):
