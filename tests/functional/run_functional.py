@@ -1,6 +1,6 @@
 """Functional runs: real Megatron GPT pretraining through torchrun, with and without offloading.
 
-    python tests/functional/run_functional.py --out /tmp/func [--nproc 2] [--iters 30] [--script auto]
+    python tests/functional/run_functional.py --out /tmp/func [--nproc 2] [--iters 30] [--script auto] [--parallel N]
 
 The training script is Megatron-LM's own `pretrain_gpt.py` where one is found (--script auto:
 $MEGATRON_LM_DIR, ../shared/megatron-lm or .upstream/megatron-lm), else the project's
@@ -37,10 +37,12 @@ failure.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
 import sys
+import threading
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -176,6 +178,30 @@ def compare_runs(runs, printed, iters, nproc):
     return checks
 
 
+def run_cases(cases, start, loads_from, parallel):
+    """{case: start(case)} for every case, at most `parallel` running at once, each started only once
+    the case whose checkpoint it loads (`loads_from`) has finished. Cases start in their order where
+    they can. A failure is raised once every started run has ended, the first in case order; a case
+    whose source failed is not started (it re-raises the source's failure)."""
+    if parallel <= 1:
+        return {name: start(name) for name in cases}
+    slots = threading.BoundedSemaphore(parallel)
+    futures = {}
+
+    def task(name, source):
+        if source is not None:
+            source.result()
+        with slots:
+            return start(name)
+
+    # One thread per case: a case waiting for its source holds no slot, so a waiting case never keeps
+    # a ready one from running.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        for name in cases:
+            futures[name] = pool.submit(task, name, futures.get(loads_from.get(name)))
+    return {name: future.result() for name, future in futures.items()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="/tmp/megatron_offload_functional")
@@ -185,6 +211,9 @@ def main(argv=None):
     p.add_argument("--script", default="auto", help="auto, mock, upstream, or a pretrain_gpt.py / Megatron-LM dir")
     p.add_argument("--extra", action="append", default=[],
                    help="extra Megatron args for every run (repeatable; each is split at spaces)")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="runs at once on the same GPUs (a case starts once the run whose checkpoint it loads "
+                        "has finished); the host-memory and save-time columns then include the other runs'")
     p.add_argument("--from-records", action="store_true",
                    help="launch nothing: the checks on the runs of --cases that finished in --out (a suite "
                         "cut short by a time limit); runs that never finished are left out and said so")
@@ -255,22 +284,33 @@ def main(argv=None):
         "model_only_plain": base + resume("offload") + ["--no-load-optim"],
         "model_only_offload": base + resume("offload") + ["--no-load-optim"] + offload,
     }
+
+    def start(name):
+        """Launch one case: the crash run's (exit code, log), any other run's records."""
+        if name == "crash":
+            code, log, _ = launch_expecting_failure(
+                "crash", base + save("crash") + offload, opts.nproc, opts.out, script=script, timeout=600,
+                env_extra={"MEGATRON_OFFLOAD_KILL_AT": str(half + 2)})
+            return code, log
+        env = {"MEGATRON_OFFLOAD_NO_PLUGIN": "1"} if name == "no_plugin" else None
+        run = launch(name, plan[name], opts.nproc, opts.out, script=script, env_extra=env)
+        print(f"{name}: {run['seconds']:.0f}s", flush=True)
+        return run
+
+    launched = {} if opts.from_records else run_cases(cases, start, LOADS_FROM, opts.parallel)
     for name in cases:
         if name == "crash":
             if opts.from_records:
                 code = recorded_exit("crash")
                 log = open(os.path.join(opts.out, "crash.log")).read()
             else:
-                code, log, seconds = launch_expecting_failure(
-                    "crash", base + save("crash") + offload, opts.nproc, opts.out, script=script, timeout=600,
-                    env_extra={"MEGATRON_OFFLOAD_KILL_AT": str(half + 2)})
+                code, log = launched["crash"]
             saved = os.path.isdir(os.path.join(ck("crash"), f"iter_{half:07d}"))
             check("crash: every rank killed mid-iteration after a save", code != 0 and "killing rank" in log and saved,
                   f"(exit {code}, {log.count('killing rank')} rank(s) killed, checkpoint at {half}: {saved})")
             continue
-        env = {"MEGATRON_OFFLOAD_NO_PLUGIN": "1"} if name == "no_plugin" else None
         if not opts.from_records:
-            runs[name] = launch(name, plan[name], opts.nproc, opts.out, script=script, env_extra=env)
+            runs[name] = launched[name]
         elif (code := recorded_exit(name)) != 0:
             check(f"{name}: finished", False, f"(exit {code})")
             continue
@@ -281,7 +321,6 @@ def main(argv=None):
                 check(f"{name}: records readable", False, f"({err})")
                 continue
         printed[name] = printed_losses(open(os.path.join(opts.out, f"{name}.log")).read())
-        print(f"{name}: {runs[name]['seconds']:.0f}s", flush=True)
         if "--async-save" in base and "--save" in plan[name]:
             # megatron-core turns --async-save off (and says so) without the persistent worker.
             log = open(os.path.join(opts.out, f"{name}.log")).read()
