@@ -180,9 +180,10 @@ def compare_runs(runs, printed, iters, nproc):
 
 def run_cases(cases, start, loads_from, parallel):
     """{case: start(case)} for every case, at most `parallel` running at once, each started only once
-    the case whose checkpoint it loads (`loads_from`) has finished. Cases start in their order where
-    they can. A failure is raised once every started run has ended, the first in case order; a case
-    whose source failed is not started (it re-raises the source's failure)."""
+    the case whose checkpoint it loads (`loads_from`) has finished. Cases are handed out in their
+    order, but among cases ready at once which starts first is not fixed. A failure is raised once
+    every started run has ended, the first in case order; a case whose source failed is not started
+    (it re-raises the source's failure)."""
     if parallel <= 1:
         return {name: start(name) for name in cases}
     slots = threading.BoundedSemaphore(parallel)
@@ -213,7 +214,8 @@ def main(argv=None):
                    help="extra Megatron args for every run (repeatable; each is split at spaces)")
     p.add_argument("--parallel", type=int, default=1,
                    help="runs at once on the same GPUs (a case starts once the run whose checkpoint it loads "
-                        "has finished); the host-memory and save-time columns then include the other runs'")
+                        "has finished); the host-memory column then includes the other runs' memory, and "
+                        "the save times are slowed by them")
     p.add_argument("--from-records", action="store_true",
                    help="launch nothing: the checks on the runs of --cases that finished in --out (a suite "
                         "cut short by a time limit); runs that never finished are left out and said so")

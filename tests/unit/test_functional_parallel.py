@@ -85,8 +85,19 @@ def fake_runs(monkeypatch, tmp_path):
         with lock:
             state["running"] -= 1
 
+    def needs_source(name, out):
+        # What the real runs need: the checkpoint of the run a case loads is complete (its run ended).
+        source = run_functional.LOADS_FROM.get(name)
+        assert source is None or os.path.exists(os.path.join(out, f"{source}.exit")), f"{name} before {source}"
+
+    def finished(name, out, code):
+        with open(os.path.join(out, f"{name}.exit"), "w") as f:
+            f.write(str(code))
+
     def launch(name, args, nproc, out, script=None, env_extra=None):
+        needs_source(name, out)
         busy()
+        finished(name, out, 0)
         case = data[name]
         with open(os.path.join(out, f"{name}.log"), "w") as f:
             f.write("".join(f" [2026-11-26] iteration {int(i):8d}/      30 | consumed samples: {i} | lm loss: {v} |\n"
@@ -94,8 +105,10 @@ def fake_runs(monkeypatch, tmp_path):
         return {"name": name, "ranks": case["ranks"], "seconds": 0.05, "host": None}
 
     def launch_expecting_failure(name, args, nproc, out, script=None, timeout=None, env_extra=None):
+        needs_source(name, out)
         busy()
         os.makedirs(os.path.join(out, "ckpt_crash", "iter_0000015"))
+        finished(name, out, 1)
         return 1, "killing rank 0 (pid 1)\n", 0.05
 
     monkeypatch.setattr(run_functional, "launch", launch)
