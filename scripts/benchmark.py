@@ -374,14 +374,50 @@ def summarize(run, warmup):
 PER_ITERATION_KEYS = ("gc_gen1", "gc_full", "gc_full_collected", "alloc_retries", "device_allocs", "device_frees")
 
 
+# Cumulative host ms in the recorder's iteration records, kept per iteration (each iteration's share).
+PER_ITERATION_HOST_MS = ("finalize_host_ms", "host_lead_wait_ms")
+
+
 def per_iteration(iterations):
-    """Columns over a rank's iterations: ms, peak reserved and allocated MiB, and the counters of
-    PER_ITERATION_KEYS (None where a record lacks one)."""
+    """Columns over a rank's iterations: ms, peak reserved and allocated MiB, the counters of
+    PER_ITERATION_KEYS and each iteration's share of the running totals of PER_ITERATION_HOST_MS
+    (None where a record lacks one)."""
+    def shares(key):
+        totals = [it.get(key) for it in iterations]
+        return [None if now is None or (k and before is None) else round(now - (before if k else 0.0), 2)
+                for k, (before, now) in enumerate(zip([None] + totals[:-1], totals))]
+
     return {"ms": [round(it["ms"], 1) for it in iterations],
             "period_ms": [round(it["period_ms"], 1) if "period_ms" in it else None for it in iterations],
             "max_reserved_mib": [it["max_reserved"] >> 20 for it in iterations],
             "max_allocated_mib": [it["max_allocated"] >> 20 for it in iterations],
-            **{k: [it.get(k) for it in iterations] for k in PER_ITERATION_KEYS}}
+            **{k: [it.get(k) for it in iterations] for k in PER_ITERATION_KEYS},
+            **{k: shares(k) for k in PER_ITERATION_HOST_MS}}
+
+
+def before_step_text(name, r):
+    """The GPU's gap between the last backward and the step (`phase_totals`' "before the step") in
+    each marked iteration, beside every rank's host ms in the plugin's `grads_finalizing` and in its
+    host-lead bound's waits during that iteration: `grads_finalizing` runs before Megatron's
+    `finalize_model_grads` enqueues the gradients' reduction, so where the host is not ahead of the
+    GPU its time there is the GPU's too. None without marks."""
+    from megatron_offload import planner
+
+    ranks = r.get("per_iteration") or []
+    parts = []
+    for t in r.get("timelines") or []:
+        i = t["iteration"]  # (the index of its record: the recorder numbers iterations from 0)
+        gap = phase_totals(planner.profile_from_timeline(t["marks"], 0.0).segments)["before the step"]
+        host = [[(cols.get(k) or [])[i] if i < len(cols.get(k) or []) else None for cols in ranks]
+                for k in PER_ITERATION_HOST_MS]
+        known = any(x is not None for x in host[0])
+        parts.append(f"{i}: {gap:.1f}" + (" (" + ", ".join(
+            f"{what} {' / '.join('-' if x is None else f'{x:.1f}' for x in xs)}"
+            for what, xs in zip(("grads_finalizing", "host-lead waits"), host)) + ")" if known else ""))
+    if not parts:
+        return None
+    return (f"{name}: before the step, the GPU's gap per marked iteration in ms (with the plugin: each rank's host ms "
+            f"in grads_finalizing and in host-lead waits): " + "; ".join(parts))
 
 
 def planner_rates(ceilings, gbps=None, both_gbps=None, together=True):
@@ -735,6 +771,9 @@ def report(results, ceilings):
             notes.append(f"{name} rank {rank}: {listed}grew at {'; '.join(grew[:20]) or 'none'}"
                          f"{f' (+{len(grew) - 20} more)' if len(grew) > 20 else ''}; full collections in "
                          f"{full[:20] or 'none'}")
+        gap_text = before_step_text(name, r)
+        if gap_text:
+            notes.append(gap_text)
         if r.get("saves"):
             notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
                 f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s, GPU "

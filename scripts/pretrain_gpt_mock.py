@@ -382,10 +382,19 @@ def _plugin_exposed_so_far():
     return list(coord.streams.stats.exposed_so_far()) if coord is not None else None
 
 
-def _plugin_hook_ms_so_far():
-    """Host ms spent in megatron-offload's lifecycle hooks so far, or None without it."""
+def _plugin_hook_ms_so_far(hook=None):
+    """Host ms spent in megatron-offload's lifecycle hooks so far (in `hook` alone, if named), or
+    None without it."""
     coord = _plugin_coordinator()
-    return coord.hook_clock.total_ms if coord is not None else None
+    if coord is None:
+        return None
+    return coord.hook_clock.total_ms if hook is None else coord.hook_clock.ms.get(hook, 0.0)
+
+
+def _plugin_host_lead_wait_ms_so_far():
+    """Host ms the plugin's host-lead bound has held the host so far, or None without it."""
+    coord = _plugin_coordinator()
+    return coord.host_lead.wait_ms if coord is not None else None
 
 
 # The benchmark's diagnostic modes (scripts/benchmark.py's '@' modifiers) as overrides of the
@@ -622,6 +631,11 @@ class Recorder:
                     # The host time in the plugin's hooks since the start (the benchmark takes the
                     # timed iterations' share).
                     "hook_ms": _plugin_hook_ms_so_far(),
+                    # Of it, `grads_finalizing` (its work runs before Megatron's finalize_model_grads
+                    # enqueues the gradients' reduction), and the host-lead bound's waits: the
+                    # benchmark sets them beside the GPU's gap before the step.
+                    "finalize_host_ms": _plugin_hook_ms_so_far("grads_finalizing"),
+                    "host_lead_wait_ms": _plugin_host_lead_wait_ms_so_far(),
                 }
             )
             return result

@@ -347,3 +347,29 @@ def test_the_per_iteration_waits_come_from_a_loaded_plugin_and_never_load_it(mon
     assert pretrain_gpt_mock._plugin_exposed_so_far() == [1.5, 2.5]
     wiring.coordinator = None
     assert pretrain_gpt_mock._plugin_exposed_so_far() is None
+
+
+def test_the_per_iteration_host_times_come_from_a_loaded_plugin_and_never_load_it(monkeypatch):
+    """The recorder's `hook_ms`, `finalize_host_ms` and `host_lead_wait_ms`: the plugin's running
+    totals (all hooks, `grads_finalizing` alone, 0 before its first call; the host-lead bound's
+    waits) where its wiring is loaded and attached, None otherwise (without loading it)."""
+    import types
+
+    import pretrain_gpt_mock
+
+    from megatron_offload.lifecycle import HookClock
+
+    name = "megatron_offload.megatron_wiring"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert pretrain_gpt_mock._plugin_hook_ms_so_far("grads_finalizing") is None
+    assert pretrain_gpt_mock._plugin_host_lead_wait_ms_so_far() is None
+    assert name not in sys.modules
+    clock = HookClock()
+    clock.ms.update(layer_forward_begin=3.0)
+    coord = types.SimpleNamespace(hook_clock=clock, host_lead=types.SimpleNamespace(wait_ms=7.5))
+    monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(coordinator=coord))
+    assert pretrain_gpt_mock._plugin_hook_ms_so_far("grads_finalizing") == 0.0
+    clock.ms["grads_finalizing"] = 2.0
+    assert pretrain_gpt_mock._plugin_hook_ms_so_far("grads_finalizing") == 2.0
+    assert pretrain_gpt_mock._plugin_hook_ms_so_far() == 5.0
+    assert pretrain_gpt_mock._plugin_host_lead_wait_ms_so_far() == 7.5

@@ -692,3 +692,43 @@ def test_the_calibrations_bound_has_a_benchmark_modifier_the_mock_understands():
     for modifier, field, off in (("wsmax", "workspace_by_position", False), ("nows", "keep_backward_workspace", False)):
         (var, value), = benchmark.MODIFIERS[modifier].items()
         assert pretrain_gpt_mock.DIAGNOSTIC_ENV[var][0] == field and pretrain_gpt_mock.DIAGNOSTIC_ENV[var][1](value) is off
+
+
+def test_the_benchmark_sets_the_gpus_gap_before_the_step_beside_the_plugins_host_time_there(capsys):
+    """Per marked iteration: the GPU's gap between the last backward and the step, and every rank's
+    share of the cumulative host ms in grads_finalizing and in host-lead waits in that iteration
+    (the recorder numbers iterations from 0, as the records' index); records without them print the
+    gap alone."""
+    benchmark = _benchmark()
+
+    def it(finalize, lead):
+        return {"ms": 10.0, "loss": "0x1p+0", "skipped": 0, "max_allocated": 1 << 20, "max_reserved": 1 << 20,
+                "finalize_host_ms": finalize, "host_lead_wait_ms": lead}
+
+    def marks(gap):
+        t, out = 0.0, [("iter_begin", 0.0, 0)]
+        for label, ms in (("fwd_begin", 1), ("fwd_end", 50), ("bwd_begin", 0), ("bwd_end", 90), ("step_begin", gap),
+                          ("step_end", 40)):
+            t += ms
+            out.append((label, t, 0))
+        return out
+
+    ranks = [{"iterations": [it(5.0, 0.0), it(6.0, 1.0), it(26.0, 1.5)]},
+             {"iterations": [it(4.0, 0.0), it(4.5, 0.0), it(7.5, 0.0)]}]
+    r = benchmark.summarize({"ranks": ranks, "seconds": 1.0}, warmup=1)
+    assert r["per_iteration"][0]["finalize_host_ms"] == [5.0, 1.0, 20.0]
+    assert r["per_iteration"][1]["host_lead_wait_ms"] == [0.0, 0.0, 0.0]
+    r["timelines"] = [{"iteration": 1, "marks": marks(4.0)}, {"iteration": 2, "marks": marks(30.0)}]
+    assert benchmark.before_step_text("offload", r).endswith(
+        "1: 4.0 (grads_finalizing 1.0 / 0.5, host-lead waits 1.0 / 0.0); "
+        "2: 30.0 (grads_finalizing 20.0 / 3.0, host-lead waits 0.5 / 0.0)")
+    benchmark.report({"offload": r}, None)
+    assert "offload: before the step, the GPU's gap per marked iteration" in capsys.readouterr().out
+    # Without the plugin's records (the baseline, older JSON): the gaps alone; a record missing in
+    # the middle gives no share for the iteration after it.
+    plain = benchmark.summarize({"ranks": [{"iterations": [it(None, None)] * 3}], "seconds": 1.0}, warmup=1)
+    plain["timelines"] = r["timelines"]
+    assert benchmark.before_step_text("baseline", plain).endswith("1: 4.0; 2: 30.0")
+    gappy = benchmark.per_iteration([it(5.0, 0.0), it(None, None), it(7.0, 1.0)])
+    assert gappy["finalize_host_ms"] == [5.0, None, None]
+    assert benchmark.before_step_text("x", {"timelines": []}) is None
