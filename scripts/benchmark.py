@@ -396,28 +396,31 @@ def per_iteration(iterations):
 
 
 def before_step_text(name, r):
-    """The GPU's gap between the last backward and the step (`phase_totals`' "before the step") in
+    """Rank 0's GPU gap between the last backward and the step (`phase_totals`' "before the step") in
     each marked iteration, beside every rank's host ms in the plugin's `grads_finalizing` and in its
-    host-lead bound's waits during that iteration: `grads_finalizing` runs before Megatron's
-    `finalize_model_grads` enqueues the gradients' reduction, so where the host is not ahead of the
-    GPU its time there is the GPU's too. None without marks."""
+    host-lead bound's waits (those in the layer hooks, over the whole iteration). Without
+    --overlap-grad-reduce, `grads_finalizing` runs before Megatron's `finalize_model_grads` enqueues
+    the gradients' reduction, so where the host is not ahead of the GPU its time there is the GPU's
+    too. Iterations count from 1, as elsewhere in the report. None without marks."""
     from megatron_offload import planner
 
     ranks = r.get("per_iteration") or []
     parts = []
     for t in r.get("timelines") or []:
-        i = t["iteration"]  # (the index of its record: the recorder numbers iterations from 0)
+        # The record's index (older records: Megatron's number, the same in a fresh run without skips).
+        i = t.get("record", t["iteration"])
         gap = phase_totals(planner.profile_from_timeline(t["marks"], 0.0).segments)["before the step"]
         host = [[(cols.get(k) or [])[i] if i < len(cols.get(k) or []) else None for cols in ranks]
                 for k in PER_ITERATION_HOST_MS]
         known = any(x is not None for x in host[0])
-        parts.append(f"{i}: {gap:.1f}" + (" (" + ", ".join(
+        parts.append(f"{i + 1}: {gap:.1f}" + (" (" + ", ".join(
             f"{what} {' / '.join('-' if x is None else f'{x:.1f}' for x in xs)}"
-            for what, xs in zip(("grads_finalizing", "host-lead waits"), host)) + ")" if known else ""))
+            for what, xs in zip(("grads_finalizing", "host-lead waits over the iteration"), host)) + ")"
+            if known else ""))
     if not parts:
         return None
-    return (f"{name}: before the step, the GPU's gap per marked iteration in ms (with the plugin: each rank's host ms "
-            f"in grads_finalizing and in host-lead waits): " + "; ".join(parts))
+    return (f"{name}: before the step, rank 0's GPU gap per marked iteration in ms (with the plugin, each rank's "
+            f"host ms, rank 0 / 1 / ...): " + "; ".join(parts))
 
 
 def planner_rates(ceilings, gbps=None, both_gbps=None, together=True):

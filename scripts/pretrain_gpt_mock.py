@@ -598,6 +598,9 @@ class Recorder:
                 first, base = self._marks[0][1], self._marks[0][2]
                 (self.busy_timelines if busy else self.timelines).append({
                     "iteration": iteration,
+                    # The index of this iteration's record in `iterations` (appended below): Megatron's
+                    # number starts at a loaded checkpoint's and skips `--iterations-to-skip`.
+                    "record": len(self.iterations),
                     "marks": [(label, first.elapsed_time(ev), alloc) for label, ev, alloc in self._marks],
                     "step_peak_growth": self._step_peak - base,
                 })
@@ -631,9 +634,10 @@ class Recorder:
                     # The host time in the plugin's hooks since the start (the benchmark takes the
                     # timed iterations' share).
                     "hook_ms": _plugin_hook_ms_so_far(),
-                    # Of it, `grads_finalizing` (its work runs before Megatron's finalize_model_grads
-                    # enqueues the gradients' reduction), and the host-lead bound's waits: the
-                    # benchmark sets them beside the GPU's gap before the step.
+                    # Of it, `grads_finalizing` (its work runs before Megatron's finalize_model_grads,
+                    # which enqueues the gradients' reduction unless --overlap-grad-reduce launched it in
+                    # the backward), and the host-lead bound's waits (in the layer hooks): the benchmark
+                    # prints both beside the GPU's gap before the step.
                     "finalize_host_ms": _plugin_hook_ms_so_far("grads_finalizing"),
                     "host_lead_wait_ms": _plugin_host_lead_wait_ms_so_far(),
                 }

@@ -373,3 +373,12 @@ def test_the_per_iteration_host_times_come_from_a_loaded_plugin_and_never_load_i
     assert pretrain_gpt_mock._plugin_hook_ms_so_far("grads_finalizing") == 2.0
     assert pretrain_gpt_mock._plugin_hook_ms_so_far() == 5.0
     assert pretrain_gpt_mock._plugin_host_lead_wait_ms_so_far() == 7.5
+    # The recorder writes each iteration's totals under the names the benchmark reads, and each
+    # timeline's record index.
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import benchmark
+
+    source = open(MOCK).read()
+    for key in ("hook_ms", *benchmark.PER_ITERATION_HOST_MS):
+        assert f'"{key}": _plugin_' in source, key
+    assert '"record": len(self.iterations)' in source

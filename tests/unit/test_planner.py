@@ -718,17 +718,20 @@ def test_the_benchmark_sets_the_gpus_gap_before_the_step_beside_the_plugins_host
     r = benchmark.summarize({"ranks": ranks, "seconds": 1.0}, warmup=1)
     assert r["per_iteration"][0]["finalize_host_ms"] == [5.0, 1.0, 20.0]
     assert r["per_iteration"][1]["host_lead_wait_ms"] == [0.0, 0.0, 0.0]
-    r["timelines"] = [{"iteration": 1, "marks": marks(4.0)}, {"iteration": 2, "marks": marks(30.0)}]
+    # Megatron's numbers (here from a loaded checkpoint's 40) differ from the records' index.
+    r["timelines"] = [{"iteration": 41, "record": 1, "marks": marks(4.0)},
+                      {"iteration": 42, "record": 2, "marks": marks(30.0)}]
     assert benchmark.before_step_text("offload", r).endswith(
-        "1: 4.0 (grads_finalizing 1.0 / 0.5, host-lead waits 1.0 / 0.0); "
-        "2: 30.0 (grads_finalizing 20.0 / 3.0, host-lead waits 0.5 / 0.0)")
+        "2: 4.0 (grads_finalizing 1.0 / 0.5, host-lead waits over the iteration 1.0 / 0.0); "
+        "3: 30.0 (grads_finalizing 20.0 / 3.0, host-lead waits over the iteration 0.5 / 0.0)")
     benchmark.report({"offload": r}, None)
-    assert "offload: before the step, the GPU's gap per marked iteration" in capsys.readouterr().out
+    assert "offload: before the step, rank 0's GPU gap per marked iteration" in capsys.readouterr().out
     # Without the plugin's records (the baseline, older JSON): the gaps alone; a record missing in
     # the middle gives no share for the iteration after it.
     plain = benchmark.summarize({"ranks": [{"iterations": [it(None, None)] * 3}], "seconds": 1.0}, warmup=1)
-    plain["timelines"] = r["timelines"]
-    assert benchmark.before_step_text("baseline", plain).endswith("1: 4.0; 2: 30.0")
+    plain["timelines"] = [{k: v for k, v in t.items() if k != "record"} | {"iteration": t["record"]}
+                          for t in r["timelines"]]  # (older records: no index; a fresh run's numbers)
+    assert benchmark.before_step_text("baseline", plain).endswith("2: 4.0; 3: 30.0")
     gappy = benchmark.per_iteration([it(5.0, 0.0), it(None, None), it(7.0, 1.0)])
     assert gappy["finalize_host_ms"] == [5.0, None, None]
     assert benchmark.before_step_text("x", {"timelines": []}) is None
