@@ -404,14 +404,16 @@ def before_step_text(name, r):
     too. Iterations count from 1, as elsewhere in the report. None without marks."""
     from megatron_offload import planner
 
+    def at(column, i):
+        return column[i] if column and i < len(column) else None
+
     ranks = r.get("per_iteration") or []
     parts = []
     for t in r.get("timelines") or []:
         # The record's index (older records: Megatron's number, the same in a fresh run without skips).
         i = t.get("record", t["iteration"])
         gap = phase_totals(planner.profile_from_timeline(t["marks"], 0.0).segments)["before the step"]
-        host = [[(cols.get(k) or [])[i] if i < len(cols.get(k) or []) else None for cols in ranks]
-                for k in PER_ITERATION_HOST_MS]
+        host = [[at(cols.get(k), i) for cols in ranks] for k in PER_ITERATION_HOST_MS]
         known = any(x is not None for x in host[0])
         parts.append(f"{i + 1}: {gap:.1f}" + (" (" + ", ".join(
             f"{what} {' / '.join('-' if x is None else f'{x:.1f}' for x in xs)}"

@@ -74,16 +74,7 @@ def fake_runs(monkeypatch, tmp_path):
     """`launch` / `launch_expecting_failure` answered from a real run's records (each written to the
     folder as a run would leave it), with a short sleep so that parallel runs overlap."""
     data = json.load(open(os.path.join(HERE, "data", "functional_records_h100x1.json")))["runs"]
-    state = {"running": 0, "most": 0}
-    lock = threading.Lock()
-
-    def busy():
-        with lock:
-            state["running"] += 1
-            state["most"] = max(state["most"], state["running"])
-        time.sleep(0.2)
-        with lock:
-            state["running"] -= 1
+    busy = Recorder()  # (how many fake runs overlapped)
 
     def needs_source(name, out):
         # What the real runs need: the checkpoint of the run a case loads is complete (its run ended).
@@ -96,7 +87,7 @@ def fake_runs(monkeypatch, tmp_path):
 
     def launch(name, args, nproc, out, script=None, env_extra=None):
         needs_source(name, out)
-        busy()
+        busy(name)
         finished(name, out, 0)
         case = data[name]
         with open(os.path.join(out, f"{name}.log"), "w") as f:
@@ -106,14 +97,14 @@ def fake_runs(monkeypatch, tmp_path):
 
     def launch_expecting_failure(name, args, nproc, out, script=None, timeout=None, env_extra=None):
         needs_source(name, out)
-        busy()
+        busy(name)
         os.makedirs(os.path.join(out, "ckpt_crash", "iter_0000015"))
         finished(name, out, 1)
         return 1, "killing rank 0 (pid 1)\n", 0.05
 
     monkeypatch.setattr(run_functional, "launch", launch)
     monkeypatch.setattr(run_functional, "launch_expecting_failure", launch_expecting_failure)
-    return state
+    return busy
 
 
 def test_the_suite_checks_the_same_with_runs_in_parallel(fake_runs, tmp_path):
@@ -123,9 +114,9 @@ def test_the_suite_checks_the_same_with_runs_in_parallel(fake_runs, tmp_path):
         out.mkdir()
         argv = ["--out", str(out), "--nproc", "1", "--script", "mock", "--cases", ",".join(CASES),
                 "--parallel", str(parallel)]
-        fake_runs["most"] = 0
+        fake_runs.most = 0
         assert run_functional.main(argv) == 0
-        assert fake_runs["most"] == parallel
+        assert fake_runs.most == parallel
         checks[parallel] = json.load(open(out / "functional_summary.json"))["checks"]
     assert len(checks[1]) >= 25 and all(ok for _, ok, _ in checks[1])
     # The same checks with the same outcomes, in the same order, whatever ran beside what.
