@@ -257,7 +257,7 @@ def test_the_benchmark_floor_takes_the_busy_iteration_of_the_baseline(capsys):
     assert "the host's lead from the baseline's iteration 8" in capsys.readouterr().out
 
 
-def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used():
+def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used(capsys):
     """A run whose step was chunked and whose copy-out the feeder started in the step (the streamed
     step, the default engine) is held against the streamed-step floor; a whole step, or a chunked one
     without the feeder, against the planner's floor for its step."""
@@ -280,6 +280,13 @@ def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used():
                               step_budget=GiB, streamed=True)
     assert rows["bounded"]["engine_floor_ratio"] == pytest.approx(bounded.ratio)
     assert rows["bounded"]["engine_floor_ratio"] > rows["bounded"]["predicted_ratio_streamed"]
+    # Each run's own floor is named with the engine it models.
+    out = capsys.readouterr().out
+    named = lambda name, which: (f"planner {name}: the run's own floor ({which}) "  # noqa: E731
+                                 f"{rows[name]['engine_floor_ratio']:.3f}x") in out
+    assert named("streamed", "the streamed step")
+    assert named("bounded", "the streamed step held to its budget, 1.00 GiB")
+    assert all(named(name, "the floor of its step, above") for name in ("chunked", "whole", "whole-fed"))
 
 
 def test_without_busy_times_the_floors_are_the_ones_before_the_lead_was_modelled():
@@ -381,7 +388,13 @@ def test_the_benchmark_also_compares_measured_with_modelled_milliseconds(capsys)
     row = benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
     assert row["measured_over_predicted_ms"] == pytest.approx(300.0 / row["predicted_ms"])
     assert row["measured_over_streamed_ms"] > 0
-    assert f"in ms 300 = {300.0 / row['predicted_ms'] - 1:+.1%} of the modelled" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"in ms 300 = {300.0 / row['predicted_ms'] - 1:+.1%} of the modelled" in out
+    # The run's floor as ratios too: the measured ratio over the floor's.
+    assert row["measured_ratio_over_engine_floor"] == pytest.approx(1.2 / row["engine_floor_ratio"])
+    assert (f"the run's own floor (the floor of its step, above) {row['engine_floor_ratio']:.3f}x = "
+            f"{row['predicted_ms']:.0f} ms; measured {300.0 / row['predicted_ms'] - 1:+.1%} in ms") in out
+    assert f"as ratios 1.200x / {row['engine_floor_ratio']:.3f}x = {1.2 / row['engine_floor_ratio'] - 1:+.1%}" in out
     # Records without the median (older JSON) print and store no such comparison.
     del offload["median_ms"]
     assert benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"][
