@@ -545,13 +545,12 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
             r, engine.iteration_ms, "median_train_step_ms")
         # The same as ratios (the measured one over the timed baseline's median, the floor over the
         # baseline's marked phases): the two forms part where those two baseline figures do.
-        as_ratios = rows[name]["measured_ratio_over_engine_floor"] = (
-            r["ratio"] / engine.ratio if r.get("ratio") and engine.ratio else None)
+        as_ratios = rows[name]["measured_ratio_over_engine_floor"] = r["ratio"] / engine.ratio if engine.ratio else None
         print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
               f"out during the step)" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
                                          f"{streamed.iteration_ms:.0f} ms" if vs_streamed else ""))
-        if fed:  # (the streamed step, held to rank 0's budget; the same floor where that holds the whole state)
-            which = ("the streamed step" if abs(engine.iteration_ms - streamed.iteration_ms) < 0.5
+        if fed:  # (the streamed step, held to rank 0's budget where that is below the state)
+            which = ("the streamed step" if budget >= state
                      else f"the streamed step held to its budget, {budget / planner.GiB:.2f} GiB")
         else:
             which = "the floor of its step, above"

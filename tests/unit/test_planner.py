@@ -266,11 +266,11 @@ def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used(capsys):
              ("bwd_begin", 81.0, 20 * GiB), ("bwd_end", 171.0, 0), ("step_begin", 175.0, 0), ("step_end", 205.0, 0)]
     timeline = {"iteration": 10, "marks": marks, "step_peak_growth": 0}
     base = {"timeline": timeline, "timelines": [timeline], "busy_timelines": [], "offloaded_gib": [0]}
-    run = lambda budget, pieces: {"offloaded_gib": [8.0], "ratio": 1.2, "kept_gib": [0],  # noqa: E731
+    run = lambda budget, pieces: {"offloaded_gib": [8.0], "ratio": 1.2, "kept_gib": [0], "median_ms": 300.0,  # noqa: E731
                                   "step_budget_gib": [budget], "feeder_enqueued_pieces": [pieces]}
     rows = benchmark.compare_with_planner({"baseline": base, "streamed": run(20.0, 128), "chunked": run(20.0, None),
                                            "whole": run(0.0, 0), "whole-fed": run(0.0, 128),
-                                           "bounded": run(1.0, 128)}, 55.0)
+                                           "bounded": run(1.0, 128), "bounded6": run(6.0, 128)}, 55.0)
     assert rows["streamed"]["engine_floor_ratio"] == rows["streamed"]["predicted_ratio_streamed"]
     assert rows["streamed"]["predicted_ratio_streamed"] != rows["streamed"]["predicted_ratio"]
     for name in ("chunked", "whole", "whole-fed"):
@@ -286,6 +286,19 @@ def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used(capsys):
                                  f"{rows[name]['engine_floor_ratio']:.3f}x") in out
     assert named("streamed", "the streamed step")
     assert named("bounded", "the streamed step held to its budget, 1.00 GiB")
+    # A budget below the state: both comparisons are against the streamed step held to it, not the
+    # unbounded streamed floor nor the chunked step's (with 6 GiB of 8 the three differ here).
+    six = planner.predict(planner.profile_from_timeline(marks, 8 * GiB, 0, 55.0, 55.0, 110.0), 8 * GiB,
+                          step_budget=6 * GiB, streamed=True)
+    row = rows["bounded6"]
+    assert row["predicted_ratio"] != pytest.approx(six.ratio)
+    assert row["engine_floor_ratio"] == pytest.approx(six.ratio)
+    assert row["measured_ratio_over_engine_floor"] == pytest.approx(1.2 / six.ratio)
+    assert row["measured_over_engine_floor_ms"] == pytest.approx(300.0 / six.iteration_ms)
+    assert named("bounded6", "the streamed step held to its budget, 6.00 GiB")
+    assert (f"held to its budget, 6.00 GiB) {six.ratio:.3f}x = {six.iteration_ms:.0f} ms; measured "
+            f"{300.0 / six.iteration_ms - 1:+.1%} in ms") in out
+    assert f"as ratios 1.200x / {six.ratio:.3f}x = {1.2 / six.ratio - 1:+.1%}" in out
     assert all(named(name, "the floor of its step, above") for name in ("chunked", "whole", "whole-fed"))
 
 
@@ -397,8 +410,13 @@ def test_the_benchmark_also_compares_measured_with_modelled_milliseconds(capsys)
     assert f"as ratios 1.200x / {row['engine_floor_ratio']:.3f}x = {1.2 / row['engine_floor_ratio'] - 1:+.1%}" in out
     # Records without the median (older JSON) print and store no such comparison.
     del offload["median_ms"]
-    assert benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"][
-        "measured_over_predicted_ms"] is None
+    row = benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
+    assert row["measured_over_predicted_ms"] is None and row["measured_over_engine_floor_ms"] is None
+    out = capsys.readouterr().out
+    assert " in ms" not in out and "of its modelled" not in out
+    # The ratios need no median.
+    assert row["measured_ratio_over_engine_floor"] == pytest.approx(1.2 / row["engine_floor_ratio"])
+    assert f"as ratios 1.200x / {row['engine_floor_ratio']:.3f}x" in out
 
 
 def test_simulated_segments_add_up_and_phase_totals_group_them():
