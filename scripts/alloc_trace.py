@@ -186,9 +186,8 @@ def free_holes(live, mapped):
 def growth_holes(trace, labels):
     """(event, label, bytes mapped, request, free mapped bytes, largest free hole) at every mapping
     after start-up and iteration 0: a request that found no hole large enough among the free
-    mapped bytes (fragmentation) shows as a large free total with a smaller largest hole. Measured
-    on R1's offload run of session 7: 2 of its 3 growths were 500 MiB requests (the logits) that
-    missed a 498 MiB hole left by a chunk slot (the slots have since been rounded to 512 MiB)."""
+    mapped bytes (fragmentation) shows as a large free total with a smaller largest hole (what it
+    found on R1: benchmarks/NOTES.md)."""
     # Per stream: a request only ever takes blocks of its own stream's segments.
     live, mapped, out = {}, {}, []
     for i, (action, size, addr, stream) in enumerate(zip(trace["action"], trace["size"], trace["addr"],

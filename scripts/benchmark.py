@@ -430,8 +430,8 @@ def planner_rates(ceilings, gbps=None, both_gbps=None, together=True):
     ceilings measured in the same call, else 55 GB/s (both: None, i.e. 2 x per direction).
     `together`: where measured, the ceilings of all the run's GPUs copying at once (the slowest
     GPU's): in a data-parallel run every rank steps, hence copies, at the same moment, and the GPUs
-    of a host share its root complex and memory (measured on a 2 x H200 host: both directions at
-    once 100.8 GB/s on one GPU alone)."""
+    of a host share its root complex and memory (where measured, each got far less copying at once
+    than one GPU alone: benchmarks/NOTES.md)."""
     if ceilings and together and ceilings.get("all_devices"):
         ceilings = ceilings["all_devices"]
     if gbps is None:
@@ -457,8 +457,8 @@ def reference(results, name):
 
 def baseline_phases(base):
     """(marks, step peak growth, iterations marked, busy marks) of the baseline for the planner: the
-    per-phase median over its marked iterations (one slow phase of one iteration on a noisy host no
-    longer moves the floor: R2's single marked iteration took 901 ms against a median of 850), else
+    per-phase median over its marked iterations (one slow phase of one iteration on a noisy host
+    does not move the floor), else
     its one timeline; busy marks: its iteration marked with the GPU lagging the host (the
     recorder's MEGATRON_OFFLOAD_BUSY_AT; None in older records)."""
     from megatron_offload import planner

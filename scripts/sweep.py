@@ -10,8 +10,8 @@ one plot.
 
 The state per rank is fixed by the model (R1's, 7.1 GiB); what changes is the compute around it:
 each global batch size gives gbs / (mbs * DP) microbatches per iteration, i.e. forward windows
-from one microbatch (the copy-out of 7 GiB takes ~130 ms, the forward ~60 ms: the transfer cannot
-hide) to sixteen (it hides easily). For each size, baseline and offload run side by side
+from one microbatch (where R1's copy-out is about twice a forward: the transfer cannot hide) to
+sixteen (it hides easily). For each size, baseline and offload run side by side
 (scripts/benchmark.py), the floor comes from the baseline's measured phase timeline and the copy
 ceiling measured once at the start, and the table reports measured / floor.
 """
