@@ -458,9 +458,8 @@ def reference(results, name):
 def baseline_phases(base):
     """(marks, step peak growth, iterations marked, busy marks) of the baseline for the planner: the
     per-phase median over its marked iterations (one slow phase of one iteration on a noisy host
-    does not move the floor), else
-    its one timeline; busy marks: its iteration marked with the GPU lagging the host (the
-    recorder's MEGATRON_OFFLOAD_BUSY_AT; None in older records)."""
+    does not move the floor), else its one timeline; busy marks: its iteration marked with the GPU
+    lagging the host (the recorder's MEGATRON_OFFLOAD_BUSY_AT; None in older records)."""
     from megatron_offload import planner
 
     timelines = base.get("timelines") or [base["timeline"]]
