@@ -276,8 +276,8 @@ def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used(capsys):
     for name in ("chunked", "whole", "whole-fed"):
         assert rows[name]["engine_floor_ratio"] == rows[name]["predicted_ratio"], name
     # A budget below the state: the streamed step held to it (dearer than with the whole state as budget).
-    bounded = planner.predict(planner.profile_from_timeline(marks, 8 * GiB, 0, 55.0, 55.0, 110.0), 8 * GiB,
-                              step_budget=GiB, streamed=True)
+    prof = planner.profile_from_timeline(marks, 8 * GiB, 0, 55.0, 55.0, 110.0)
+    bounded = planner.predict(prof, 8 * GiB, step_budget=GiB, streamed=True)
     assert rows["bounded"]["engine_floor_ratio"] == pytest.approx(bounded.ratio)
     assert rows["bounded"]["engine_floor_ratio"] > rows["bounded"]["predicted_ratio_streamed"]
     # Each run's own floor is named with the engine it models.
@@ -288,8 +288,7 @@ def test_the_benchmark_takes_the_floor_of_the_engine_a_run_used(capsys):
     assert named("bounded", "the streamed step held to its budget, 1.00 GiB")
     # A budget below the state: both comparisons are against the streamed step held to it, not the
     # unbounded streamed floor nor the chunked step's (with 6 GiB of 8 the three differ here).
-    six = planner.predict(planner.profile_from_timeline(marks, 8 * GiB, 0, 55.0, 55.0, 110.0), 8 * GiB,
-                          step_budget=6 * GiB, streamed=True)
+    six = planner.predict(prof, 8 * GiB, step_budget=6 * GiB, streamed=True)
     row = rows["bounded6"]
     assert row["predicted_ratio"] != pytest.approx(six.ratio)
     assert row["engine_floor_ratio"] == pytest.approx(six.ratio)
