@@ -95,6 +95,9 @@ MODIFIERS = {
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
+    # The same over iteration 13 (gpu_timeline_iter13.json.gz): one that follows neither Megatron's
+    # log line (every 5th) nor a profiled iteration.
+    "prof13": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "13"},
     # No change: a second run of a variant in the same call (offload@again is compared with
     # baseline@again, else with the plain baseline; again2 / again3 likewise), to see the run-to-run
     # spread next to the difference being measured.
