@@ -124,17 +124,16 @@ def add_flags(parser):
         "allocates before memory freed through another stream is reusable (weight gradients "
         "while DDP's gradient accumulators stay on their own stream), and reserved memory grows "
         "while the GPU waits for the plugin's copies. Default: 0 where the plugin re-creates those "
-        f"accumulators on the compute stream, {DEFERRED_FREES_HOST_LEAD_LAYERS} where they stay (FP8, "
-        "--offload-keep-ddp-grad-stream). The calibration iterations of --offload-state-fraction auto "
+        f"accumulators on the compute stream, {DEFERRED_FREES_HOST_LEAD_LAYERS} where they stay "
+        "(--offload-keep-ddp-grad-stream, nodes it cannot replace). The calibration iterations of --offload-state-fraction auto "
         "keep one layer whatever N. (megatron-offload)",
     )
     group.add_argument(
         "--offload-keep-ddp-grad-stream",
         action="store_true",
         help="Leave the gradient-accumulation (AccumulateGrad) nodes of megatron-core's DDP on the "
-        "side stream that get_model builds DDP under. By default (not under FP8) the plugin "
-        "re-creates them, with DDP's hooks, on the compute stream, so that each weight gradient is "
-        "freed at once instead of at an event of that stream; deferred frees make reserved memory "
+        "side stream that get_model builds DDP under. By default the plugin re-creates them, with "
+        "DDP's hooks, on the compute stream, so that each weight gradient is freed at once instead of at an event of that stream; deferred frees make reserved memory "
         "grow over the first iterations while the GPU waits for the plugin's copies. Also turns "
         "the host-lead bound on (--offload-host-lead-layers). (megatron-offload)",
     )
@@ -226,10 +225,9 @@ def copy_out_in_flight_mb(args) -> int:
 def ddp_grad_stream_kept(args) -> str:
     """Why DDP's AccumulateGrad nodes stay on the stream get_model built them under ("" where
     the wiring re-creates them on the compute stream, upstream_fixes)."""
-    if getattr(args, "offload_keep_ddp_grad_stream", False):
-        return "--offload-keep-ddp-grad-stream"
-    # Upstream keeps that stream for TE's FP8 gradient setup (Megatron-LM PR #6021).
-    return "FP8" if getattr(args, "fp8", None) else ""
+    # (Upstream says it keeps that stream for TE's FP8 gradient setup, Megatron-LM PR #6021; under
+    # FP8 the re-created nodes leave losses, params and state bit-identical: docs/design.md.)
+    return "--offload-keep-ddp-grad-stream" if getattr(args, "offload_keep_ddp_grad_stream", False) else ""
 
 
 def host_lead_layers(args) -> int:

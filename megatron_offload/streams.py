@@ -171,7 +171,7 @@ class HostLeadBound:
     makes that lead large. With the bound, a deferred free becomes reusable at most `depth`
     layers after its request. The Megatron wiring re-creates those nodes on the compute stream
     (upstream_fixes.grad_accumulators_on_current_stream); by default the bound is on only where the
-    nodes stay on DDP's stream (FP8, `--offload-keep-ddp-grad-stream`, nodes the re-creation could
+    nodes stay on DDP's stream (`--offload-keep-ddp-grad-stream`, nodes the re-creation could
     not replace: megatron_args.host_lead_layers). See [Note: host lead] in docs/design.md.
     Invariant: after `mark(d)`, at most `d` recorded points are not known to be complete (`d`:
     the bound's own depth unless the mark gives one; none kept where it is 0).

@@ -318,8 +318,8 @@ def test_host_lead_flag_defaults_by_where_ddp_frees_gradients_and_refuses_negati
     kept = parse(on + ["--offload-keep-ddp-grad-stream"])
     assert megatron_args.config_from_args(kept).host_lead_layers == DEFERRED_FREES_HOST_LEAD_LAYERS > 0
     fp8 = parse(on)
-    fp8.fp8 = "hybrid"
-    assert megatron_args.config_from_args(fp8).host_lead_layers == DEFERRED_FREES_HOST_LEAD_LAYERS
+    fp8.fp8 = "hybrid"  # (re-created under FP8 too: no bound)
+    assert megatron_args.config_from_args(fp8).host_lead_layers == 0
     # What the user gives wins either way.
     for given in (["--offload-host-lead-layers", "0"] + ["--offload-keep-ddp-grad-stream"],
                   ["--offload-host-lead-layers", "3"]):
@@ -743,6 +743,14 @@ def test_attach_moves_ddp_grad_accumulators_unless_kept(monkeypatch):
     clause, every_rank = megatron_wiring._grad_accumulators_to_compute_stream(c, [ddp], argparse.Namespace())
     assert clause == ", 2 DDP gradient accumulators on the compute stream" and not every_rank
     assert not any("test_old" in n.metadata for n in ddp.grad_accs) and c.host_lead.depth == 0
+    # Under FP8 too (upstream names TE's FP8 gradient setup as its reason for the side stream).
+    fp8 = HookedLikeMegatronDDP(torch.nn.Linear(4, 3))
+    for node in fp8.grad_accs:
+        node.metadata["test_old"] = True
+    del node
+    clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(coord(), [fp8], argparse.Namespace(fp8="hybrid"))
+    assert clause == ", 2 DDP gradient accumulators on the compute stream"
+    assert not any("test_old" in n.metadata for n in fp8.grad_accs)
 
     kept = list(ddp.grad_accs)
     clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(
@@ -750,8 +758,6 @@ def test_attach_moves_ddp_grad_accumulators_unless_kept(monkeypatch):
     assert "left on their own stream (--offload-keep-ddp-grad-stream)" in clause
     assert all(a is b for a, b in zip(ddp.grad_accs, kept))
 
-    clause, _ = megatron_wiring._grad_accumulators_to_compute_stream(coord(), [ddp], argparse.Namespace(fp8="hybrid"))
-    assert "left on their own stream (FP8)" in clause and all(a is b for a, b in zip(ddp.grad_accs, kept))
 
     # A node referenced elsewhere: the run goes on, the attach line says so, and the survivors'
     # deferred frees get the host-lead bound unless the user (or a benchmark's override) chose one.
