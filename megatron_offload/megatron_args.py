@@ -225,8 +225,8 @@ def copy_out_in_flight_mb(args) -> int:
 def ddp_grad_stream_kept(args) -> str:
     """Why DDP's AccumulateGrad nodes stay on the stream get_model built them under ("" where
     the wiring re-creates them on the compute stream, upstream_fixes)."""
-    # (Upstream says it keeps that stream for TE's FP8 gradient setup, Megatron-LM PR #6021; under
-    # FP8 the re-created nodes leave losses, params and state bit-identical: docs/design.md.)
+    # (Upstream says it keeps that stream for TE's FP8 gradient setup, Megatron-LM PR #6021; FP8
+    # runs re-create the nodes too: [Note: host lead] in docs/design.md.)
     return "--offload-keep-ddp-grad-stream" if getattr(args, "offload_keep_ddp_grad_stream", False) else ""
 
 

@@ -204,8 +204,8 @@ def _grad_accumulators_to_compute_stream(coord, model_chunks, args) -> Tuple[str
     """Re-create DDP's AccumulateGrad nodes on the compute stream (upstream_fixes); the clause
     the attach line ends with, and whether every rank prints it (nodes this rank could not
     replace). Upstream keeps DDP's own stream for CUDA graph capture, refused with the plugin
-    (validation.py), and names TE's FP8 gradient setup too (Megatron-LM PR #6021); under FP8 the
-    re-created nodes leave every bit as it was ([Note: host lead] in docs/design.md)."""
+    (validation.py), and names TE's FP8 gradient setup too (Megatron-LM PR #6021); FP8 runs take
+    this path as well ([Note: host lead] in docs/design.md says what that rests on)."""
     kept = megatron_args.ddp_grad_stream_kept(args)
     if kept:
         return f"; DDP's gradient accumulators left on their own stream ({kept})", False
