@@ -125,16 +125,17 @@ def add_flags(parser):
         "while DDP's gradient accumulators stay on their own stream), and reserved memory grows "
         "while the GPU waits for the plugin's copies. Default: 0 where the plugin re-creates those "
         f"accumulators on the compute stream, {DEFERRED_FREES_HOST_LEAD_LAYERS} where they stay "
-        "(--offload-keep-ddp-grad-stream, nodes it cannot replace). The calibration iterations of --offload-state-fraction auto "
-        "keep one layer whatever N. (megatron-offload)",
+        "(--offload-keep-ddp-grad-stream, nodes it cannot replace). The calibration iterations of "
+        "--offload-state-fraction auto keep one layer whatever N. (megatron-offload)",
     )
     group.add_argument(
         "--offload-keep-ddp-grad-stream",
         action="store_true",
         help="Leave the gradient-accumulation (AccumulateGrad) nodes of megatron-core's DDP on the "
         "side stream that get_model builds DDP under. By default the plugin re-creates them, with "
-        "DDP's hooks, on the compute stream, so that each weight gradient is freed at once instead of at an event of that stream; deferred frees make reserved memory "
-        "grow over the first iterations while the GPU waits for the plugin's copies. Also turns "
+        "DDP's hooks, on the compute stream, so that each weight gradient is freed at once instead "
+        "of at an event of that stream; deferred frees make reserved memory grow over the first "
+        "iterations while the GPU waits for the plugin's copies. Also turns "
         "the host-lead bound on (--offload-host-lead-layers). (megatron-offload)",
     )
     group.add_argument(

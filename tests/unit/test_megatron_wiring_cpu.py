@@ -758,7 +758,6 @@ def test_attach_moves_ddp_grad_accumulators_unless_kept(monkeypatch):
     assert "left on their own stream (--offload-keep-ddp-grad-stream)" in clause
     assert all(a is b for a, b in zip(ddp.grad_accs, kept))
 
-
     # A node referenced elsewhere: the run goes on, the attach line says so, and the survivors'
     # deferred frees get the host-lead bound unless the user (or a benchmark's override) chose one.
     chosen = coord()
