@@ -282,7 +282,8 @@ class MemoryPolicy:
         of chunks it has sent out. Not with `backward_reloads=False` (a diagnostic whose fit
         reader answers "nothing fits"). See [Note: fallback release] in docs/design.md."""
         if (not self.config.release_before_unfitted_reload or not self.config.backward_reloads
-                or self._free_block_sizes is None or not self.it.began_offloaded):
+                or self._free_block_sizes is None
+                or not (self.it.began_offloaded or self.config.fallback_release_every_iteration)):
             return
         if chunks is None:
             chunks = [c for _, c in self._chunks(ChunkState.OFFLOADED)]

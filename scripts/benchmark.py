@@ -74,6 +74,9 @@ MODIFIERS = {
     # The fallback reload maps new memory instead of first handing back free blocks too small
     # for the chunks (MemoryPolicy._room_for_fallback off).
     "nofbrel": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE": "0"},
+    # ... and that hand-back in every iteration whose fallback reload fits no free blocks, not
+    # only the first after the state was all off (OffloadConfig.fallback_release_every_iteration).
+    "fbrelall": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE_ALL": "1"},
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},

@@ -971,14 +971,16 @@ def test_reload_in_the_backward_only_into_a_free_block_that_fits(fits):
         assert coord.reloads_deferred_for_fit > 0
 
 
+@pytest.mark.parametrize("every", [False, True], ids=["first-iterations", "every-iteration"])
 @pytest.mark.parametrize("switch", [True, False], ids=["release", "no-release"])
 @pytest.mark.parametrize("fits", ["all", "all-but-one", "none"])
-def test_fallback_reload_hands_back_free_blocks_too_small_for_it(fits, switch):
+def test_fallback_reload_hands_back_free_blocks_too_small_for_it(fits, switch, every):
     """grads_finalizing's reload of the chunks still off, in an iteration whose first forward found
     every chunk off (after the start-up offload; after an evaluation): when they fit no set of free
     blocks (best-fit, in reload order), the cached memory goes back to the device first, so that
     they are not mapped above blocks that are free but too small. When they all fit, and in
-    iterations that began with the chunks on the GPU, nothing is released."""
+    iterations that began with the chunks on the GPU, nothing is released (with the diagnostic
+    `fallback_release_every_iteration`, those iterations release too where nothing fits)."""
     layer_bytes, logits_bytes = 40_000, 30_000
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
@@ -986,13 +988,14 @@ def test_fallback_reload_hands_back_free_blocks_too_small_for_it(fits, switch):
     coord = make_coord(margin_bytes=1024, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
                        # (no room inside the backward: every chunk is left to the fallback)
                        free_block_sizes=lambda: list(blocks) if "grads_finalizing" in coord.events else [],
-                       release_before_unfitted_reload=switch,
+                       release_before_unfitted_reload=switch, fallback_release_every_iteration=every,
                        empty_cache=lambda: released.append(coord.it.forwards))
     coord.add_optimizer(opt)
     coord.offload_existing_state()
     coord.release_startup_state()
     released.clear()
     releasing = fits != "all" and switch
+    releasing_steps = (0, 1, 2, 3) if every else (0, 2)
     for step in range(4):
         sizes = [c.gpu_nbytes for c in coord.offloaders[0].chunks]
         # One free block per chunk, exactly its size (512-byte rounding included), less the largest's
@@ -1008,12 +1011,12 @@ def test_fallback_reload_hands_back_free_blocks_too_small_for_it(fits, switch):
         simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes)
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
         ev = coord.events
-        if releasing and step in (0, 2):
+        if releasing and step in releasing_steps:
             # Before the fallback's reload, after the backward.
             assert ev.index("grads_finalizing") < ev.index("release:fallback") < ev.index("reload_start"), ev
         else:
             assert "release:fallback" not in ev, ev
-    assert len(released) == (2 if releasing else 0), released
+    assert len(released) == (len(releasing_steps) if releasing else 0), released
     coord.close()
 
 
