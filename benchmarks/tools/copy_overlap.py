@@ -22,7 +22,7 @@ import argparse
 import collections
 from typing import Dict, List, Sequence, Tuple
 
-from timeline_diff import compute_stream, load
+from timeline_diff import compute_stream, load, union
 
 DIRECTIONS = (("H2D", "HtoD"), ("D2H", "DtoH"))
 
@@ -38,17 +38,6 @@ def copies(rows: Sequence) -> Dict[str, List[Tuple[float, float, int]]]:
             if tag in name:
                 out[direction].append((start, start + dur, nbytes))
     return {d: sorted(v) for d, v in out.items()}
-
-
-def union(spans) -> List[Tuple[float, float]]:
-    """Disjoint, sorted intervals covering `spans` ((start, end, ...) tuples)."""
-    merged: List[List[float]] = []
-    for start, end, *_ in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
 
 
 def overlap(start: float, end: float, spans: List[Tuple[float, float]]) -> float:
@@ -83,18 +72,23 @@ def binned(rows: List[Tuple[float, float, int]], origin: float, bin_us: float) -
     return dict(out)
 
 
+def gbps(nbytes: float, us: float) -> float:
+    return nbytes / us / 1e3 if us else float("nan")
+
+
 def report(rows: Sequence, bin_ms: float = 20.0, mark: str = "") -> List[str]:
     origin = min(r[0] for r in rows)
     by_dir = copies(rows)
     spans = {d: union(v) for d, v in by_dir.items()}
+    # (bytes, us) of each direction while the other copied too, then while it did not.
+    splits = {d: split(by_dir[d], spans[o]) for (d, _), (o, _) in zip(DIRECTIONS, reversed(DIRECTIONS))}
     lines = []
-    gbps = lambda nbytes, us: nbytes / us / 1e3 if us else float("nan")  # noqa: E731 (bytes/us -> GB/s)
     for (direction, _), (other, _) in zip(DIRECTIONS, reversed(DIRECTIONS)):
         rows_d = by_dir[direction]
         if not rows_d:
             lines.append(f"{direction}: no copies")
             continue
-        both_b, both_us, alone_b, alone_us = split(rows_d, spans[other])
+        both_b, both_us, alone_b, alone_us = splits[direction]
         total = sum(r[2] for r in rows_d)
         lines.append(f"{direction}: {total / 1e9:.2f} GB in {len(rows_d)} rows, {(rows_d[0][0] - origin) / 1e3:.1f} to "
                      f"{(max(r[1] for r in rows_d) - origin) / 1e3:.1f} ms; alone {alone_us / 1e3:.1f} ms at "
@@ -102,7 +96,7 @@ def report(rows: Sequence, bin_ms: float = 20.0, mark: str = "") -> List[str]:
                      f"{gbps(both_b, both_us):.1f} GB/s")
     together = sum(overlap(a, b, spans["D2H"]) for a, b in spans["H2D"])
     if together:
-        moved = sum(split(by_dir[d], spans[o])[0] for (d, _), (o, _) in zip(DIRECTIONS, reversed(DIRECTIONS)))
+        moved = sum(s[0] for s in splits.values())
         lines.append(f"both directions at once: {together / 1e3:.1f} ms, {gbps(moved, together):.1f} GB/s together")
     if mark:
         compute = compute_stream(rows)

@@ -39,16 +39,23 @@ def compute_stream(rows: List[Row]):
     return time.most_common(1)[0][0]
 
 
+def union(spans) -> List[Tuple[float, float]]:
+    """Disjoint, sorted intervals covering `spans` ((start, end, ...) tuples)."""
+    merged: List[List[float]] = []
+    for start, end, *_ in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
 def busy_ms(rows: List[Row], stream) -> Tuple[float, float]:
     """(busy, span) of `stream` in ms: the union of its rows' intervals, and first start to last end."""
-    spans = sorted((r[0], r[0] + r[1]) for r in rows if r[2] == stream)
-    if not spans:
+    merged = union((r[0], r[0] + r[1]) for r in rows if r[2] == stream)
+    if not merged:
         return 0.0, 0.0
-    busy, end = 0.0, spans[0][0]
-    for start, stop in spans:
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    return busy / 1e3, (end - spans[0][0]) / 1e3
+    return sum(b - a for a, b in merged) / 1e3, (merged[-1][1] - merged[0][0]) / 1e3
 
 
 def per_stream(rows: List[Row]) -> Dict[tuple, List[float]]:
