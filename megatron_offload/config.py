@@ -80,9 +80,10 @@ class OffloadConfig:
     # The fallback reload first hands mapped free memory back when the chunks fit no free block
     # (MemoryPolicy._room_for_fallback).
     release_before_unfitted_reload: bool = True
-    # ... in any iteration where they fit none; False: only in one whose first forward found every
-    # chunk off (a diagnostic: the benchmark's @fbrelfirst, the rule before it was every iteration).
-    fallback_release_every_iteration: bool = True
+    # ... in every iteration, not only one whose first forward found every chunk off (a diagnostic:
+    # the benchmark's @fbrelall; whether the hand-back pays where activations cut the chunks' holes
+    # in later iterations too).
+    fallback_release_every_iteration: bool = False
     # The host-lead bound of the automatic fraction's calibration iterations (None: the run's own).
     calibration_host_lead_layers: Optional[int] = CALIBRATION_HOST_LEAD_LAYERS
     # The second calibration's reading bounded by the first's untrimmed estimate

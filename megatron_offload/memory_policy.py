@@ -263,26 +263,24 @@ class MemoryPolicy:
         return fitted
 
     def _room_for_fallback(self, chunks=None) -> None:
-        """Before the fallback reload (`grads_finalizing`): if the chunks it reloads (`chunks`;
-        default: every chunk still off) fit no set of the allocator's free blocks (best-fit, in
-        the order they are reloaded), hand the mapped free memory back to the device first.
+        """Before the fallback reload (`grads_finalizing`) of an iteration whose first forward
+        found every chunk off the GPU: if the chunks it reloads (`chunks`; default: every chunk
+        still off) fit no set of the allocator's free blocks (best-fit, in the order they are
+        reloaded), hand the mapped free memory back to the device first.
 
         Why: the reload would map new memory above blocks that are free but too small, and that
-        memory stays mapped: reserved grows for good by the chunks that did not fit. Once the
-        backward has released its activations, what is free is cache; the next forward maps
-        again only what it uses. The free blocks are too small where activations cut the
-        chunks' holes: always in the first iteration after a start-up offload, an evaluation or
-        `offload_all` (its activations were laid out with no chunk among them), and in every
-        iteration where the activations' layout does not follow the chunks' (Transformer
-        Engine's FP8 layers). Where the activations sat in the memory the forward freed chunks
-        from, the chunks fit what the iteration before mapped and nothing is released (a release
-        costs a host wait for the compute stream and new mappings). The diagnostic
-        `fallback_release_every_iteration=False` releases only in an iteration whose first
-        forward found every chunk off. With the streamed step `chunks` are those its budget
-        admits at `grads_finalizing` (with the automatic budget usually all of them); the step
-        brings the rest back into the room of chunks it has sent out. Not with
-        `backward_reloads=False` (a diagnostic whose fit reader answers "nothing fits"). See
-        [Note: fallback release] in docs/design.md."""
+        memory stays mapped: reserved grows for good by the chunks that did not fit. The free
+        blocks are too small where they were cut by activations laid out with no chunk among
+        them, i.e. in the first iteration after a start-up offload, an evaluation or
+        `offload_all`, and that iteration's mapping then stays the peak of every later one. In
+        the other iterations the activations sat in the memory the forward freed chunks from,
+        and what the fallback maps is reused from the iteration before: no release there (it
+        would cost a host wait and new mappings every iteration). Once the backward has released
+        its activations, what is free is cache; the next forward maps again only what it uses.
+        With the streamed step `chunks` are those its budget admits at `grads_finalizing` (with
+        the automatic budget usually all of them); the step brings the rest back into the room
+        of chunks it has sent out. Not with `backward_reloads=False` (a diagnostic whose fit
+        reader answers "nothing fits"). See [Note: fallback release] in docs/design.md."""
         if (not self.config.release_before_unfitted_reload or not self.config.backward_reloads
                 or self._free_block_sizes is None
                 or not (self.it.began_offloaded or self.config.fallback_release_every_iteration)):

@@ -74,11 +74,8 @@ MODIFIERS = {
     # The fallback reload maps new memory instead of first handing back free blocks too small
     # for the chunks (MemoryPolicy._room_for_fallback off).
     "nofbrel": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE": "0"},
-    # ... that hand-back only in an iteration whose first forward found every chunk off, not in
-    # every one whose fallback reload fits no free blocks (OffloadConfig.fallback_release_every_iteration
-    # off: the rule before it was every iteration). @fbrelall sets the default explicitly (earlier
-    # results ran it as the diagnostic).
-    "fbrelfirst": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE_ALL": "0"},
+    # ... and that hand-back in every iteration whose fallback reload fits no free blocks, not
+    # only the first after the state was all off (OffloadConfig.fallback_release_every_iteration).
     "fbrelall": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE_ALL": "1"},
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
