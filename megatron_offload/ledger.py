@@ -57,12 +57,15 @@ class Ledger:
             if st.name.endswith((".master", ".master_param"))
         )
         kept = sum(off.kept_bytes for off in self.offloaders)
+        # (Every chunk's buffer is padded to the largest chunk: about the requested size, balanced
+        # over the chunks, but at least the state of the largest parameter, which is never split.)
+        slot = max((c.gpu_nbytes for off in self.offloaders for c in off.chunks), default=0)
         pinning = sorted({off.host.pinning for off in self.offloaders if off.host is not None})
         return (
             f"rank {rank}: offloading {self.state_bytes / 2**30:.3f} GiB of optimizer state "
             f"(masters {masters / 2**30:.3f} GiB, moments {(self.state_bytes - masters) / 2**30:.3f}"
             f" GiB) from {len(self.offloaders)} optimizer(s) in "
-            f"{sum(len(o.chunks) for o in self.offloaders)} chunks; pinned host "
+            f"{sum(len(o.chunks) for o in self.offloaders)} chunks of {slot / 2**20:.0f} MiB; pinned host "
             f"{self.pinned_bytes / 2**30:.3f} GiB ({', '.join(pinning) or 'none'})"
             + (f"; {kept / 2**30:.3f} GiB kept on the GPU (--offload-state-fraction "
                f"{self.state_fraction:g})" if kept else "")

@@ -45,7 +45,9 @@ def add_flags(parser):
         type=int,
         default=DEFAULT_CHUNK_BYTES // 2**20,
         help="Granularity (MiB) at which offloaded state is freed during the forward and "
-        "reloaded during the last backward. (megatron-offload)",
+        "reloaded during the last backward. One parameter's state is never split, so the "
+        "largest one sets the size where it is larger (the start-up line gives the size "
+        "used). (megatron-offload)",
     )
     group.add_argument(
         "--offload-memory-margin-mb",

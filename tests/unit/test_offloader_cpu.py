@@ -2340,3 +2340,18 @@ def test_the_hook_clock_counts_milliseconds_of_the_host(monkeypatch):
     assert loop.forward_begin() == "ran" and loop.forward_begin() == "ran"
     assert loop.hook_clock.ms == {"forward_begin": pytest.approx(750.0)}
     assert loop.hook_clock.calls == {"forward_begin": 2}
+
+
+def test_start_up_line_gives_the_chunk_size_the_largest_parameter_sets():
+    """One parameter's state is never split: a master larger than `--offload-chunk-size-mb` is a
+    chunk of its own and every chunk's buffer is padded to it. The start-up line says the size
+    used, not the one asked for (a user's smaller chunk size otherwise changes nothing visibly)."""
+    opt = FakeDistOpt(bf16_numels=(1_000_000, 1000, 64))  # a 3.8 MiB master, two small ones
+    coord = make_coord(chunk_bytes=2**20)
+    coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    slot = max(c.gpu_nbytes for c in coord.offloaders[0].chunks)
+    assert slot >= 4_000_000 > 2**20
+    line = coord.describe()
+    assert f"chunks of {slot / 2**20:.0f} MiB;" in line, line
+    coord.close()
