@@ -57,15 +57,19 @@ class Ledger:
             if st.name.endswith((".master", ".master_param"))
         )
         kept = sum(off.kept_bytes for off in self.offloaders)
-        # (Every chunk's buffer is padded to the largest chunk: about the requested size, balanced
-        # over the chunks, but at least the state of the largest parameter, which is never split.)
-        slot = max((c.gpu_nbytes for off in self.offloaders for c in off.chunks), default=0)
+        # The chunks' GPU buffer sizes: packing balances and rounds the requested size and never
+        # splits a state tensor (with the streamed step, a parameter's whole state), so the size
+        # used can differ from the one asked for. One size per run where the buffers are padded
+        # to the largest chunk (per-step offloading); else the largest, "up to".
+        sizes = {c.gpu_nbytes for off in self.offloaders for c in off.chunks}
+        slot = max(sizes, default=0)
         pinning = sorted({off.host.pinning for off in self.offloaders if off.host is not None})
         return (
             f"rank {rank}: offloading {self.state_bytes / 2**30:.3f} GiB of optimizer state "
             f"(masters {masters / 2**30:.3f} GiB, moments {(self.state_bytes - masters) / 2**30:.3f}"
             f" GiB) from {len(self.offloaders)} optimizer(s) in "
-            f"{sum(len(o.chunks) for o in self.offloaders)} chunks of {slot / 2**20:.0f} MiB; pinned host "
+            f"{sum(len(o.chunks) for o in self.offloaders)} chunks of {'up to ' if len(sizes) > 1 else ''}"
+            f"{slot / 2**20:.0f} MiB; pinned host "
             f"{self.pinned_bytes / 2**30:.3f} GiB ({', '.join(pinning) or 'none'})"
             + (f"; {kept / 2**30:.3f} GiB kept on the GPU (--offload-state-fraction "
                f"{self.state_fraction:g})" if kept else "")

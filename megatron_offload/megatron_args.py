@@ -45,9 +45,9 @@ def add_flags(parser):
         type=int,
         default=DEFAULT_CHUNK_BYTES // 2**20,
         help="Granularity (MiB) at which offloaded state is freed during the forward and "
-        "reloaded during the last backward. One parameter's state is never split, so the "
-        "largest one sets the size where it is larger (the start-up line gives the size "
-        "used). (megatron-offload)",
+        "reloaded during the last backward. Chunks are balanced and rounded, and a state "
+        "tensor (with the streamed step, a parameter's whole state) is never split, so the "
+        "size used can differ; the start-up line gives it. (megatron-offload)",
     )
     group.add_argument(
         "--offload-memory-margin-mb",

@@ -275,8 +275,12 @@ class MemoryPolicy:
         `offload_all`, and that iteration's mapping then stays the peak of every later one. In
         the other iterations the activations sat in the memory the forward freed chunks from,
         and what the fallback maps is reused from the iteration before: no release there (it
-        would cost a host wait and new mappings every iteration). Once the backward has released
-        its activations, what is free is cache; the next forward maps again only what it uses.
+        would cost a host wait and new mappings every iteration). Where the activations' layout
+        does not follow the chunks' (Transformer Engine's FP8 layers), reserved memory grows once
+        more, in the iteration after; a release there would recur in nearly every iteration, and
+        the allocator frees this cache itself before it reports out of memory (the diagnostic
+        `fallback_release_every_iteration` releases anyway). Once the backward has released its
+        activations, what is free is cache; the next forward maps again only what it uses.
         With the streamed step `chunks` are those its budget admits at `grads_finalizing` (with
         the automatic budget usually all of them); the step brings the rest back into the room
         of chunks it has sent out. Not with `backward_reloads=False` (a diagnostic whose fit

@@ -2342,16 +2342,28 @@ def test_the_hook_clock_counts_milliseconds_of_the_host(monkeypatch):
     assert loop.hook_clock.calls == {"forward_begin": 2}
 
 
-def test_start_up_line_gives_the_chunk_size_the_largest_parameter_sets():
-    """One parameter's state is never split: a master larger than `--offload-chunk-size-mb` is a
-    chunk of its own and every chunk's buffer is padded to it. The start-up line says the size
-    used, not the one asked for (a user's smaller chunk size otherwise changes nothing visibly)."""
-    opt = FakeDistOpt(bf16_numels=(1_000_000, 1000, 64))  # a 3.8 MiB master, two small ones
-    coord = make_coord(chunk_bytes=2**20)
+@pytest.mark.parametrize("engine, expected", [
+    ({}, "in 4 chunks of 4 MiB;"),  # whole step: each state tensor a unit of its own
+    ({"chunked_step": True}, "in 2 chunks of 12 MiB;"),  # streamed: a parameter's state together
+    ({"per_step": False}, "in 4 chunks of up to 4 MiB;"),  # phase switches only: no padding
+], ids=["whole-step", "streamed-step", "phase-switches"])
+def test_start_up_line_gives_the_chunk_size_used(engine, expected):
+    """A state tensor is never split (with the streamed step, a parameter's whole state): a
+    tensor larger than `--offload-chunk-size-mb` (here a 4 MB master and its two 4 MB moments
+    against 1 MiB asked) is a chunk of its own, and per-step offloading pads every chunk's buffer
+    to the largest. The start-up line gives the size used, not the one asked for."""
+    opt = FakeDistOpt(bf16_numels=(1_000_000, 1000, 64))
+    opt.step()  # (the moments exist)
+    coord = make_coord(chunk_bytes=2**20, **engine)
     coord.add_optimizer(opt)
     coord.offload_existing_state()
-    slot = max(c.gpu_nbytes for c in coord.offloaders[0].chunks)
-    assert slot >= 4_000_000 > 2**20
+    chunks = coord.offloaders[0].chunks
+    big = {st.name for c in chunks for st in c.tensors if st.name.startswith("group0.param2.")}
+    assert len(big) == 3
+    homes = [c.index for c in chunks for st in c.tensors if st.name in big]
+    assert len(homes) == 3 and len(set(homes)) == (1 if engine.get("chunked_step") else 3), homes
+    sizes = {c.gpu_nbytes for c in chunks}
+    assert (len(sizes) == 1) == engine.get("per_step", True), sizes
     line = coord.describe()
-    assert f"chunks of {slot / 2**20:.0f} MiB;" in line, line
+    assert expected in line, line
     coord.close()
