@@ -564,8 +564,14 @@ def test_the_benchmark_reports_the_plugins_host_time_in_its_hooks(capsys):
     r = benchmark.summarize({"ranks": [rank0, {"iterations": [it(0.0)] * 3}], "seconds": 1.0}, warmup=1)
     assert r["timed_hook_ms"] == 8.5
     benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
+    out = capsys.readouterr().out
     assert ("host time in hooks 8.5 ms per timed iteration (whole run, most: layer_forward_begin 30 ms / 300 "
-            "calls, layer_backward_begin 20 ms / 300 calls, grads_finalizing 6 ms / 3 calls)") in capsys.readouterr().out
+            "calls, layer_backward_begin 20 ms / 300 calls, grads_finalizing 6 ms / 3 calls)") in out
+    assert "offload: achieved D2H 50.0 GB/s (91% of ceiling), H2D 50.0 GB/s (91%); exposed" in out
+    # A call without ceilings (--no-ceilings) still gets the plugin's counters, without the shares.
+    benchmark.report({"offload": r}, None)
+    out = capsys.readouterr().out
+    assert "offload: achieved D2H 50.0 GB/s, H2D 50.0 GB/s; exposed" in out and "cached-memory releases" in out
     r["timed_hook_ms"] = None
     benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
     assert "host time in hooks: not recorded" in capsys.readouterr().out
