@@ -27,24 +27,31 @@ class ChunkedStepSchedule:
         self._last_step_level = 0
         self._skipped_last_step = False
 
-    def _step_budget(self) -> int:
+    def _step_budget(self, waiting: int = 0) -> int:
         """Chunk bytes that may be resident during the step.
 
         The step should not set the iteration's peak: allocated memory there may reach what the
         forwards reached with the state off (`it.forward_end_max`, the same ceiling as the backward's
         reloads), less one chunk's worth of Adam temporaries (a foreach Adam over a piece
         allocates a few piece-sized lists) and the margin. Never below STEP_WINDOW_CHUNKS chunks,
-        which the pipeline needs; when the activations leave more room, the whole state. See
-        [Note: chunked-step budget] in docs/design.md.
+        which the pipeline needs, plus `waiting` (`_most_waiting`); when the activations leave
+        more room, the whole state. See [Note: chunked-step budget] in docs/design.md.
         """
-        slot = self._slot()
+        floor = self._step_floor(waiting)
         if self.step_budget_bytes:
-            return max(self.step_budget_bytes, slot)
-        floor = STEP_WINDOW_CHUNKS * slot
+            return floor
         if not self.it.forward_end_max:
             return floor
         other = self._allocated() - self.resident_bytes
-        return max(floor, self.it.forward_end_max - other - slot - self.config.margin_bytes)
+        return max(floor, self.it.forward_end_max - other - self._slot() - self.config.margin_bytes)
+
+    def _step_floor(self, waiting: int) -> int:
+        """The least step budget: the explicit one but at least one chunk, else STEP_WINDOW_CHUNKS
+        chunks; plus `waiting` chunks either way (held back for split parameters)."""
+        slot = self._slot()
+        if self.step_budget_bytes:
+            return max(self.step_budget_bytes, (1 + waiting) * slot)
+        return (STEP_WINDOW_CHUNKS + waiting) * slot
 
     def _backward_reload_cap(self) -> float:
         """Most chunk bytes the backward may bring back: unbounded for the unchunked step; for
@@ -96,8 +103,11 @@ class ChunkedStepSchedule:
         takes clearly longer than its copies alone; see [Note: freeing stepped chunks] in
         docs/design.md). Left in flight, it is
         the next piece's room to free, by when its copy has run during that piece's Adam. The
-        window is then: one chunk leaving, one stepped, one or more arriving (STEP_WINDOW_CHUNKS)."""
-        candidates = self.it.stepped_out[:-1] if keep_latest else list(self.it.stepped_out)
+        window is then: one chunk leaving, one stepped, one or more arriving (STEP_WINDOW_CHUNKS).
+        (A piece that completes a parameter split over several chunks sends them all out at once;
+        all of them count as the latest.)"""
+        latest = self.it.latest_out if keep_latest else 0
+        candidates = self.it.stepped_out[:max(0, len(self.it.stepped_out) - latest)]
         for off, chunk in candidates:
             if nbytes <= 0:
                 break
@@ -114,17 +124,49 @@ class ChunkedStepSchedule:
         chunk to arrive, so the step, and the copy-out behind each piece, began only once the
         whole reload was done. See [Note: step order] in docs/design.md."""
         self._stepping(off)
-        if not self.it.step_budget:
-            self.it.step_budget = self._step_budget()
-        self.step_budgets = (self.step_budgets + [self.it.step_budget])[-64:]
         rank = {ChunkState.RESIDENT: 0, ChunkState.COPYING_OUT: 0, ChunkState.COPYING_IN: 1,
                 ChunkState.OFFLOADED: 2}
         order = sorted(off.chunks, key=lambda c: (rank[c.state],
                                                   c.copy_in_seq if c.state is ChunkState.COPYING_IN else 0))
         self.it.step_order[id(off)] = order
-        # One piece per chunk (a parameter's state is never split across chunks), then one for
-        # the parameters with no chunk: state kept by the fraction, or not created yet.
+        leaving = self.it.leaving_after[id(off)] = self._leaving_after(order)
+        waiting = self._most_waiting(order, leaving)
+        if not self.it.step_budget:
+            self.it.step_budget = self._step_budget(waiting)
+        else:  # (a later optimizer of a chain: the first one's budget, but its own least)
+            self.it.step_budget = max(self.it.step_budget, self._step_floor(waiting))
+        self.step_budgets = (self.step_budgets + [self.it.step_budget])[-64:]
+        # One piece per chunk: the parameters whose state is complete once that chunk is back
+        # (empty for a chunk holding only the first part of a parameter split over several), then
+        # one for the parameters with no chunk: state kept by the fraction, or not created yet.
         return chunked_step.complete_pieces(off.dist_opt.optimizer, chunked_step.pieces_by_last_chunk(order))
+
+    @staticmethod
+    def _leaving_after(order) -> List[list]:
+        """Entry k: the chunks of `order` whose every parameter has been stepped once piece k (of
+        `pieces_by_last_chunk(order)`) is, in `order`. A chunk holds whole parameters (then it
+        leaves after its own piece) unless the packing split a parameter larger than a chunk over
+        several (`packing`): then a chunk with part of it stays until the piece of its last part,
+        since sending it out earlier would leave a host copy that the step then makes stale."""
+        piece_of = {}
+        for k, chunk in enumerate(order):
+            for st in chunk.tensors:
+                piece_of[id(st.param)] = k
+        leaving: List[list] = [[] for _ in order]
+        for chunk in order:
+            leaving[max(piece_of[id(st.param)] for st in chunk.tensors)].append(chunk)
+        return leaving
+
+    @staticmethod
+    def _most_waiting(order, leaving) -> int:
+        """The most chunks that, at one piece, have been stepped but cannot leave yet (they hold
+        part of a parameter stepped by a later piece, `_leaving_after`): what the step must hold
+        beyond its usual window. 0 where no parameter is split."""
+        left_at = {id(chunk): j for j, chunks in enumerate(leaving) for chunk in chunks}
+        most = 0
+        for k in range(len(order)):
+            most = max(most, sum(1 for chunk in order[:k] if left_at[id(chunk)] >= k))
+        return most
 
     def _before_piece(self, off: OptimizerStateOffloader, k: int) -> None:
         order = self.it.step_order[id(off)]
@@ -146,6 +188,9 @@ class ChunkedStepSchedule:
         later = order[k + 1:] + [c for o in self.offloaders if id(o) not in self.it.stepped for c in o.chunks]
         if self.feeder is None and not any(c.state is ChunkState.OFFLOADED for c in later):
             return
-        off.start_copy_out([order[k]])
-        self.it.stepped_out.append((off, order[k]))
+        leaving = self.it.leaving_after[id(off)][k]
+        if leaving:
+            off.start_copy_out(leaving)
+            self.it.stepped_out.extend((off, chunk) for chunk in leaving)
+            self.it.latest_out = len(leaving)
         self._admit([(off, c) for c in order[k + 1:]], self.it.step_budget)

@@ -40,8 +40,10 @@ MIN_CHUNK_BYTES = 16 * 2**20
 def slot_bytes(largest_chunk: int) -> int:
     """GPU bytes of every chunk buffer of an offloader whose largest chunk packs `largest_chunk`."""
     slot = align_up(largest_chunk, SLOT_ALIGNMENT if largest_chunk >= 10 * 2**20 else 512)
-    if slot >= 4 * LARGE_SLOT_GRANULE:
-        slot = align_up(slot, LARGE_SLOT_GRANULE)
+    rounded = align_up(slot, LARGE_SLOT_GRANULE)
+    # (Smaller slots just short of a granule, e.g. chunks of at most 256 MiB packed to 250, too.)
+    if slot >= 4 * LARGE_SLOT_GRANULE or (slot >= 2 * LARGE_SLOT_GRANULE and rounded - slot <= slot // 16):
+        slot = rounded
     return slot
 
 
@@ -87,6 +89,74 @@ def _first_fit(units: List[List[StateTensor]], target: int) -> list:
             layout[1].append(layout[2])
             layout[2] = align_up(layout[2] + st.nbytes, TENSOR_ALIGNMENT)
     return layouts
+
+
+def _split_larger_than(units: List[List[StateTensor]], limit: int) -> List[List[StateTensor]]:
+    """`units`, with every unit of several tensors that packs to more than `limit` bytes split
+    into one unit per tensor (kept in order: first fit then puts them in neighbouring chunks)."""
+    out: List[List[StateTensor]] = []
+    for unit in units:
+        if len(unit) > 1 and _unit_bytes(unit) > limit:
+            out.extend([st] for st in unit)
+        else:
+            out.append(unit)
+    return out
+
+
+def layout_chunks(units: List[List[StateTensor]], chunk_bytes: int) -> list:
+    """The chunk layouts ([tensors, offsets, packed bytes], see `_first_fit`) of `units` in chunks
+    of at most `chunk_bytes` (or of the largest state tensor, where that is larger): of the
+    layouts with whole units and with the units larger than a chunk, than half a chunk, or all
+    of them split into single tensors, the one with the fewest GPU bytes (every buffer is padded
+    to the slot size, `slot_bytes`), then the fewest split units.
+
+    A parameter's state split over chunks is stepped by the streamed step once all of its chunks
+    are back (chunked_schedule.py), which holds the first ones longer. Kept whole, a large state
+    either set the size of every chunk (R1's word embedding: master and two moments, 750 MiB, made
+    832 MiB slots whatever size was asked for, too large for the free blocks the activations leave
+    between long-lived blocks), or, unable to share a chunk with another of its size, padded its
+    chunk by up to half a slot. A single state tensor larger than `chunk_bytes` is a chunk of its
+    own and sets the slot size.
+    """
+    best, best_key = [], None
+    for limit in (None, chunk_bytes, chunk_bytes // 2, 0):
+        split = units if limit is None else _split_larger_than(units, limit)
+        if limit is not None and len(split) == len(units) and best_key is not None:
+            continue  # (nothing split at this limit: the layout already tried)
+        layouts = _balanced_layout(split, chunk_bytes)
+        if not layouts:
+            return layouts
+        key = (len(layouts) * slot_bytes(max(nbytes for _, _, nbytes in layouts)), len(split) - len(units))
+        if best_key is None or key < best_key:
+            best, best_key = layouts, key
+    return best
+
+
+def _balanced_layout(units: List[List[StateTensor]], chunk_bytes: int) -> list:
+    """`layout_chunks` for one set of units."""
+    total = sum(_unit_bytes(unit) for unit in units)
+    largest = max([_unit_bytes(unit) for unit in units], default=0)
+    target = max(chunk_bytes, largest)
+    # Balanced: as many chunks as `target` needs, each about total / count, so that the last
+    # one is not a small remainder padded up to the slot size. Up to 10 % of slack (never past
+    # `target`) until first fit manages with that count, else chunks of `target`.
+    count = max(1, -(-total // target))
+    per_chunk = -(-total // count)
+    tried = []
+    for size in [per_chunk * (100 + slack) // 100 for slack in range(11)] + [target]:
+        layouts = _first_fit(units, min(target, max(largest, size)))
+        tried.append(layouts)
+        if len(layouts) <= count:
+            break
+    if not units:
+        return layouts
+    # Of the layouts tried with no more chunks than that one, and the tightest (chunks of at
+    # most the largest unit), the one with the fewest GPU bytes: every buffer is padded to the
+    # largest chunk. Whole parameters as units on a small state left a quarter of it as
+    # padding at the balanced sizes (see [Note: small states] in docs/design.md).
+    tried.append(_first_fit(units, largest))
+    return min((lay for lay in tried if len(lay) <= len(layouts)),
+               key=lambda lay: (len(lay) * slot_bytes(max(nbytes for _, _, nbytes in lay)), len(lay)))
 
 
 class ChunkState(enum.Enum):

@@ -71,9 +71,13 @@ class IterationRecord:
     workspace_mark: Optional[int] = None  # allocator total at the last backward hook (first backward)
     workspace_key: Optional[int] = None  # position of that hook (the interval being measured)
     stepped: Set[int] = dataclasses.field(default_factory=set)  # id() of offloaders that stepped
-    # The chunked step: each offloader's chunks in stepping order, what left during the step, budget.
+    # The chunked step: each offloader's chunks in stepping order, the chunks that may leave after
+    # each piece (`ChunkedStepSchedule._leaving_after`), what left during the step (the last
+    # `latest_out` entries after the latest piece), budget.
     step_order: Dict[int, list] = dataclasses.field(default_factory=dict)
+    leaving_after: Dict[int, list] = dataclasses.field(default_factory=dict)
     stepped_out: List[Tuple] = dataclasses.field(default_factory=list)
+    latest_out: int = 0
     step_budget: int = 0
     # The first training forward found every chunk off the GPU (start-up, after an evaluation or
     # offload_all): its activations were laid out with no chunk among them (_room_for_fallback).

@@ -58,8 +58,8 @@ class Ledger:
         )
         kept = sum(off.kept_bytes for off in self.offloaders)
         # The chunks' GPU buffer sizes: packing balances and rounds the requested size and never
-        # splits a state tensor (with the streamed step, a parameter's whole state), so the size
-        # used can differ from the one asked for. One size per run where the buffers are padded
+        # splits a state tensor (chunks.layout_chunks), so the size used can differ from the one
+        # asked for. One size per run where the buffers are padded
         # to the largest chunk (per-step offloading); else the largest, "up to".
         sizes = {c.gpu_nbytes for off in self.offloaders for c in off.chunks}
         slot = max(sizes, default=0)

@@ -46,8 +46,8 @@ def add_flags(parser):
         default=DEFAULT_CHUNK_BYTES // 2**20,
         help="Granularity (MiB) at which offloaded state is freed during the forward and "
         "reloaded during the last backward. Chunks are balanced and rounded, and a state "
-        "tensor (with the streamed step, a parameter's whole state) is never split, so the "
-        "size used can differ; the start-up line gives it. (megatron-offload)",
+        "tensor is never split (a chunk holds at least the largest one), so the size used "
+        "can differ; the start-up line gives it. (megatron-offload)",
     )
     group.add_argument(
         "--offload-memory-margin-mb",

@@ -9,7 +9,8 @@ from typing import List
 
 import torch
 
-from .chunks import MIN_CHUNK_BYTES, MIN_CHUNKS, Chunk, ChunkState, _first_fit, _unit_bytes, _units, slot_bytes
+from .chunks import (MIN_CHUNK_BYTES, MIN_CHUNKS, Chunk, ChunkState, _first_fit, _unit_bytes, _units, layout_chunks,
+                     slot_bytes)
 from .discovery import StateTensor, find_state_tensors
 from .host_buffer import PinnedHostBuffer, align_up
 
@@ -41,32 +42,8 @@ class Packing:
         self.snapshots.drop_free()
         self.discovery = find_state_tensors(self.dist_opt, self.device)
         managed, kept = self._split_by_fraction(self.discovery.tensors)
-        # A parameter's state larger than `chunk_bytes` is a chunk of its own, and sets the slot size (see
-        # below) that every chunk is padded to.
         units = _units(managed, self.by_parameter)
-        total = sum(_unit_bytes(unit) for unit in units)
-        chunk_bytes = self._chunk_bytes_for(total)
-        largest = max([_unit_bytes(unit) for unit in units], default=0)
-        target = max(chunk_bytes, largest)
-        # Balanced: as many chunks as `target` needs, each about total / count, so that the last
-        # one is not a small remainder padded up to the slot size (below). Up to 10 % of slack
-        # until first fit manages with that count, else chunks of `target`.
-        count = max(1, -(-total // target))
-        per_chunk = -(-total // count)
-        tried = []
-        for size in [per_chunk * (100 + slack) // 100 for slack in range(11)] + [target]:
-            layouts = _first_fit(units, max(largest, size))
-            tried.append(layouts)
-            if len(layouts) <= count:
-                break
-        if units:
-            # Of the layouts tried with no more chunks than that one, and the tightest (chunks of at
-            # most the largest unit), the one with the fewest GPU bytes: every buffer is padded to the
-            # largest chunk. Whole parameters as units on a small state left a quarter of it as
-            # padding at the balanced sizes (see [Note: small states] in docs/design.md).
-            tried.append(_first_fit(units, largest))
-            layouts = min((lay for lay in tried if len(lay) <= len(layouts)),
-                          key=lambda lay: (len(lay) * slot_bytes(max(nbytes for _, _, nbytes in lay)), len(lay)))
+        layouts = layout_chunks(units, self._chunk_bytes_for(sum(_unit_bytes(unit) for unit in units)))
         chunks = [Chunk(i, tensors, offsets, nbytes) for i, (tensors, offsets, nbytes) in enumerate(layouts)]
         # Every GPU buffer gets the size of the largest chunk (host copies stay exact). The caching
         # allocator never merges blocks of different segments: a chunk reloaded into the block

@@ -68,9 +68,11 @@ fi
 SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null' EXIT
 # An allocator history (MEGATRON_OFFLOAD_MEMHIST) read with scripts/alloc_trace.py into $2, while
-# SUITE_BUDGET_S lasts (the logs must still be packed after it).
+# SUITE_BUDGET_S lasts (the logs must still be packed after it). ALLOC_TRACE_ARGS: other options.
 read_memhist() {
-  within_budget python3 scripts/alloc_trace.py "$1" --peaks --holes --layout-growths 3 > "$2" 2>&1 || true
+  # shellcheck disable=SC2086  # (a list of options)
+  within_budget python3 scripts/alloc_trace.py "$1" ${ALLOC_TRACE_ARGS:---peaks --holes --layout-growths 3} > "$2" 2>&1 \
+    || true
 }
 # Every run folder's histories under $1, read beside each one (alloc_rank<R>.txt, in logs.tgz).
 read_memhists() {

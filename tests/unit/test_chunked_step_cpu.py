@@ -299,6 +299,56 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
     coord.close()
 
 
+class Embedded(MegatronShapedDistOpt):
+    """R1's shape in small: one parameter (the word embedding) with 3x the state of the others."""
+    step = MegatronShapedDistOpt.step_with_ready_grads
+
+    def __init__(self):
+        super().__init__(bf16_numels=(3072,) + (1024, 512, 256) * 4)
+
+
+@pytest.mark.parametrize("budget_chunks", [None, 1], ids=["automatic-budget", "one-chunk-budget"])
+def test_a_parameter_split_over_chunks_leaves_only_once_it_is_stepped(budget_chunks):
+    """The streamed step packs a parameter's state larger than half a chunk tensor by tensor
+    (chunks.layout_chunks): here the embedding's master and moments (12 KiB each) fill three
+    chunks of 12 KiB, where whole parameters would make every slot 36 KiB. Its piece comes with
+    its last chunk; the chunks before it stay resident (neither copied out nor freed) until then,
+    within the budget raised by them; everything stays bit-exact, skipped steps included."""
+    from test_offloader_cpu import make_coord
+
+    ref, opt = Embedded(), Embedded()
+    level, resident_in_step, at_its_piece = [0], [], []
+    coord = make_coord(chunk_bytes=12 * 1024, chunked_step=True, memory_allocated=lambda: level[0],
+                       max_memory_allocated=lambda: level[0], free_block_sizes=lambda: [2**40])
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    if budget_chunks:
+        coord.step_budget_bytes = budget_chunks * off.chunks[0].gpu_nbytes
+    embedding = opt.all_params()[len(opt.shard_fp32_groups[0])]
+    homes = sorted({c.index for c in off.chunks for st in c.tensors if st.param is embedding})
+    assert len(homes) == 3 and off.chunks[0].gpu_nbytes == 12 * 1024, (homes, off.chunks)
+
+    def before_each_piece(*_):
+        resident_in_step.append((coord.resident_bytes, coord.it.step_budget))
+        if embedding.grad is not None:  # (the embedding's piece: every other one hides its gradient)
+            at_its_piece.append([(c.state, c.host_valid) for c in off.chunks if c.index in homes])
+    opt.optimizer.register_step_pre_hook(before_each_piece)
+    skips, steps_done = {2}, []
+    for step in range(5):
+        make_grads(ref.all_params(), step)
+        if step not in skips:
+            ref.step()
+        chunked_iteration(opt, coord, step, skip=step in skips, level=level)
+        if step not in skips:
+            steps_done.append(step)
+        assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
+    assert float(opt.optimizer.state[embedding]["step"]) == len(steps_done)
+    # Once per step that ran, with all three of its chunks resident and their host copies stale.
+    assert at_its_piece == [[(ChunkState.RESIDENT, False)] * 3] * len(steps_done), at_its_piece
+    assert all(resident <= budget for resident, budget in resident_in_step), resident_in_step
+    coord.close()
+
+
 def test_chunked_step_copies_out_during_the_step_only_what_later_pieces_need():
     """Chunks stepped once nothing else waits stay resident (their copy-out waits for the next
     forward, as the unchunked step's does); earlier ones are copied out in the step."""

@@ -2344,14 +2344,15 @@ def test_the_hook_clock_counts_milliseconds_of_the_host(monkeypatch):
 
 @pytest.mark.parametrize("engine, expected", [
     ({}, "in 4 chunks of 4 MiB;"),  # whole step: each state tensor a unit of its own
-    ({"chunked_step": True}, "in 2 chunks of 12 MiB;"),  # streamed: a parameter's state together
+    # streamed: a parameter's state larger than half a chunk is packed tensor by tensor, too
+    ({"chunked_step": True}, "in 4 chunks of 4 MiB;"),
     ({"per_step": False}, "in 4 chunks of up to 4 MiB;"),  # phase switches only: no padding
 ], ids=["whole-step", "streamed-step", "phase-switches"])
 def test_start_up_line_gives_the_chunk_size_used(engine, expected):
-    """A state tensor is never split (with the streamed step, a parameter's whole state): a
-    tensor larger than `--offload-chunk-size-mb` (here a 4 MB master and its two 4 MB moments
-    against 1 MiB asked) is a chunk of its own, and per-step offloading pads every chunk's buffer
-    to the largest. The start-up line gives the size used, not the one asked for."""
+    """A state tensor is never split: a tensor larger than `--offload-chunk-size-mb` (here a 4 MB
+    master and its two 4 MB moments against 1 MiB asked) is a chunk of its own, and per-step
+    offloading pads every chunk's buffer to the largest. The start-up line gives the size used,
+    not the one asked for."""
     opt = FakeDistOpt(bf16_numels=(1_000_000, 1000, 64))
     opt.step()  # (the moments exist)
     coord = make_coord(chunk_bytes=2**20, **engine)
@@ -2361,7 +2362,7 @@ def test_start_up_line_gives_the_chunk_size_used(engine, expected):
     big = {st.name for c in chunks for st in c.tensors if st.name.startswith("group0.param2.")}
     assert len(big) == 3
     homes = [c.index for c in chunks for st in c.tensors if st.name in big]
-    assert len(homes) == 3 and len(set(homes)) == (1 if engine.get("chunked_step") else 3), homes
+    assert len(homes) == 3 and len(set(homes)) == 3, homes
     sizes = {c.gpu_nbytes for c in chunks}
     assert (len(sizes) == 1) == engine.get("per_step", True), sizes
     line = coord.describe()
