@@ -23,6 +23,7 @@ class ChunkedStepSchedule:
 
     def _init_chunked_schedule(self) -> None:
         self.step_budgets: List[int] = []  # the budget of each chunked step so far (bounded)
+        self.step_waiting: List[int] = []  # beside each: the most chunks held back (`_most_waiting`)
         self._step_level = 0  # highest allocated level at a piece's start, this step and the last
         self._last_step_level = 0
         self._skipped_last_step = False
@@ -136,6 +137,7 @@ class ChunkedStepSchedule:
         else:  # (a later optimizer of a chain: the first one's budget, but its own least)
             self.it.step_budget = max(self.it.step_budget, self._step_floor(waiting))
         self.step_budgets = (self.step_budgets + [self.it.step_budget])[-64:]
+        self.step_waiting = (self.step_waiting + [waiting])[-64:]
         # One piece per chunk: the parameters whose state is complete once that chunk is back
         # (empty for a chunk holding only the first part of a parameter split over several), then
         # one for the parameters with no chunk: state kept by the fraction, or not created yet.

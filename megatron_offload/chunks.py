@@ -107,8 +107,9 @@ def layout_chunks(units: List[List[StateTensor]], chunk_bytes: int) -> list:
     """The chunk layouts ([tensors, offsets, packed bytes], see `_first_fit`) of `units` in chunks
     of at most `chunk_bytes` (or of the largest state tensor, where that is larger): of the
     layouts with whole units and with the units larger than a chunk, than half a chunk, or all
-    of them split into single tensors, the one with the fewest GPU bytes (every buffer is padded
-    to the slot size, `slot_bytes`), then the fewest split units.
+    of them split into single tensors, one whose slot (`slot_bytes`: every buffer is padded to it)
+    is not larger than `chunk_bytes`'s, and of those within 3 % of the fewest GPU bytes, the one
+    with the fewest split units.
 
     A parameter's state split over chunks is stepped by the streamed step once all of its chunks
     are back (chunked_schedule.py), which holds the first ones longer. Kept whole, a large state
@@ -118,18 +119,23 @@ def layout_chunks(units: List[List[StateTensor]], chunk_bytes: int) -> list:
     chunk by up to half a slot. A single state tensor larger than `chunk_bytes` is a chunk of its
     own and sets the slot size.
     """
-    best, best_key = [], None
+    if not units:
+        return []
+    # (splits, GPU bytes, slot, layouts) per way of splitting
+    options = []
     for limit in (None, chunk_bytes, chunk_bytes // 2, 0):
         split = units if limit is None else _split_larger_than(units, limit)
-        if limit is not None and len(split) == len(units) and best_key is not None:
-            continue  # (nothing split at this limit: the layout already tried)
+        if options and len(split) == len(units) + options[-1][0]:
+            continue  # (nothing more split at this limit: the layout already tried)
         layouts = _balanced_layout(split, chunk_bytes)
-        if not layouts:
-            return layouts
-        key = (len(layouts) * slot_bytes(max(nbytes for _, _, nbytes in layouts)), len(split) - len(units))
-        if best_key is None or key < best_key:
-            best, best_key = layouts, key
-    return best
+        slot = slot_bytes(max(nbytes for _, _, nbytes in layouts))
+        options.append((len(split) - len(units), len(layouts) * slot, slot, layouts))
+    # Slots larger than the size asked for (or than the largest tensor's chunk) only if all are.
+    allowed = slot_bytes(max([chunk_bytes] + [_unit_bytes([st]) for unit in units for st in unit]))
+    options = [o for o in options if o[2] <= allowed] or options
+    # The fewest splits among those within 3 % of the fewest GPU bytes.
+    fewest = min(o[1] for o in options)
+    return min((o for o in options if o[1] <= fewest * 103 // 100), key=lambda o: (o[0], o[1]))[3]
 
 
 def _balanced_layout(units: List[List[StateTensor]], chunk_bytes: int) -> list:
@@ -138,24 +144,29 @@ def _balanced_layout(units: List[List[StateTensor]], chunk_bytes: int) -> list:
     largest = max([_unit_bytes(unit) for unit in units], default=0)
     target = max(chunk_bytes, largest)
     # Balanced: as many chunks as `target` needs, each about total / count, so that the last
-    # one is not a small remainder padded up to the slot size. Up to 10 % of slack (never past
-    # `target`) until first fit manages with that count, else chunks of `target`.
+    # one is not a small remainder padded up to the slot size. Up to 10 % of slack until first
+    # fit manages with that count, else chunks of `target`. A size past `target` is tried capped
+    # at it, too: its slot may round up to the next granule (`slot_bytes`), the capped one not.
     count = max(1, -(-total // target))
     per_chunk = -(-total // count)
     tried = []
     for size in [per_chunk * (100 + slack) // 100 for slack in range(11)] + [target]:
-        layouts = _first_fit(units, min(target, max(largest, size)))
-        tried.append(layouts)
+        size = max(largest, size)
+        new = [_first_fit(units, s) for s in ([size, target] if size > target else [size])]
+        tried.extend(new)
+        layouts = min(new, key=len)
         if len(layouts) <= count:
             break
     if not units:
         return layouts
-    # Of the layouts tried with no more chunks than that one, and the tightest (chunks of at
-    # most the largest unit), the one with the fewest GPU bytes: every buffer is padded to the
-    # largest chunk. Whole parameters as units on a small state left a quarter of it as
-    # padding at the balanced sizes (see [Note: small states] in docs/design.md).
+    # Of the layouts tried with no more chunks than that one (or 10 % more than `count`), and the
+    # tightest (chunks of at most the largest unit), the one with the fewest GPU bytes: every
+    # buffer is padded to the largest chunk. Whole parameters as units on a small state left a
+    # quarter of it as padding at the balanced sizes (see [Note: small states] in
+    # docs/design.md).
     tried.append(_first_fit(units, largest))
-    return min((lay for lay in tried if len(lay) <= len(layouts)),
+    most = max(len(layouts), -(-count * 11 // 10))
+    return min((lay for lay in tried if len(lay) <= most),
                key=lambda lay: (len(lay) * slot_bytes(max(nbytes for _, _, nbytes in lay)), len(lay)))
 
 
