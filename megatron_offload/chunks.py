@@ -15,7 +15,9 @@ import torch
 from .discovery import StateTensor
 from .host_buffer import align_up
 
-DEFAULT_CHUNK_BYTES = 512 * 2**20
+# Small enough for the free blocks that long-lived allocations leave between the activations (see
+# [Note: chunk layout] in docs/design.md).
+DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Tensors start on this boundary inside a chunk buffer (vectorised kernels want >= 16 bytes).
 TENSOR_ALIGNMENT = 256
 # The caching allocator rounds requests of 10 MiB and more up to 2 MiB (smaller ones to 512 B);
@@ -112,12 +114,12 @@ def layout_chunks(units: List[List[StateTensor]], chunk_bytes: int) -> list:
     with the fewest split units.
 
     A parameter's state split over chunks is stepped by the streamed step once all of its chunks
-    are back (chunked_schedule.py), which holds the first ones longer. Kept whole, a large state
-    either set the size of every chunk (R1's word embedding: master and two moments, 750 MiB, made
-    832 MiB slots whatever size was asked for, too large for the free blocks the activations leave
-    between long-lived blocks), or, unable to share a chunk with another of its size, padded its
-    chunk by up to half a slot. A single state tensor larger than `chunk_bytes` is a chunk of its
-    own and sets the slot size.
+    are back (chunked_schedule.py), which holds the first ones longer. Kept whole, a state larger
+    than a chunk set the size of every slot whatever size was asked for, and slots larger than the
+    free blocks that long-lived allocations leave between the activations make every reload map
+    new memory; a state larger than half a chunk, unable to share a chunk with another of its
+    size, padded its chunk by up to half a slot. See [Note: chunk layout] in docs/design.md. A
+    single state tensor larger than `chunk_bytes` is a chunk of its own and sets the slot size.
     """
     if not units:
         return []

@@ -50,7 +50,7 @@ def test_install_is_idempotent_and_wraps_by_module_attribute():
 def test_flags_registered_with_defaults():
     a = parse([])
     assert a.offload_optimizer_states is False
-    assert a.offload_chunk_size_mb == 512 and a.offload_memory_margin_mb == 64
+    assert a.offload_chunk_size_mb == 256 and a.offload_memory_margin_mb == 64
     a = parse(["--offload-optimizer-states", "--offload-chunk-size-mb", "64"])
     assert a.offload_optimizer_states and a.offload_chunk_size_mb == 64
 
@@ -570,7 +570,7 @@ def test_launcher_help_lists_every_flag_with_its_default():
     for flag in flags:
         assert flag in out.stdout, flag
     assert "usage: torchrun" in out.stdout and "-m megatron_offload SCRIPT.py" in out.stdout
-    assert "(default: 512)" in out.stdout  # --offload-chunk-size-mb
+    assert "(default: 256)" in out.stdout  # --offload-chunk-size-mb
     # Flags whose default is resolved from the others say so in their help, not "(default: None)".
     assert "(default: None)" not in out.stdout and "1024 with the streamed step" in " ".join(out.stdout.split())
 
