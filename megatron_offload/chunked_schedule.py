@@ -1,5 +1,6 @@
-"""The streamed step's schedule (the default engine, `--offload-step streamed`): piece k of an offloader's step is its chunk
-k; which chunks are loaded ahead, stepped and sent out behind within the step's memory budget.
+"""The streamed step's schedule (the default engine, `--offload-step streamed`): piece k of an offloader's step steps the
+parameters whose state is complete once its chunk k (in stepping order) is back; which chunks are loaded ahead, stepped
+and sent out behind within the step's memory budget.
 Methods of `OffloadCoordinator` (chunked_step.py installs the piecewise step that calls them); their
 attributes are set by `_init_chunked_schedule`.
 """
@@ -134,7 +135,9 @@ class ChunkedStepSchedule:
         waiting = self._most_waiting(order, leaving)
         if not self.it.step_budget:
             self.it.step_budget = self._step_budget(waiting)
-        else:  # (a later optimizer of a chain: the first one's budget, but its own least)
+        else:
+            # Set at grads_finalizing (its admission) or by an earlier optimizer of a chain, without
+            # this order's held-back chunks: raised to this optimizer's own least.
             self.it.step_budget = max(self.it.step_budget, self._step_floor(waiting))
         self.step_budgets = (self.step_budgets + [self.it.step_budget])[-64:]
         self.step_waiting = (self.step_waiting + [waiting])[-64:]
@@ -147,8 +150,9 @@ class ChunkedStepSchedule:
     def _leaving_after(order) -> List[list]:
         """Entry k: the chunks of `order` whose every parameter has been stepped once piece k (of
         `pieces_by_last_chunk(order)`) is, in `order`. A chunk holds whole parameters (then it
-        leaves after its own piece) unless the packing split a parameter larger than a chunk over
-        several (`packing`): then a chunk with part of it stays until the piece of its last part,
+        leaves after its own piece) unless the packing split a parameter larger than half a chunk
+        over several (`chunks.layout_chunks`): then a chunk with part of it stays until the piece of
+        its last part,
         since sending it out earlier would leave a host copy that the step then makes stale."""
         piece_of = {}
         for k, chunk in enumerate(order):

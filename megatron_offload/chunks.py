@@ -23,7 +23,8 @@ TENSOR_ALIGNMENT = 256
 # The caching allocator rounds requests of 10 MiB and more up to 2 MiB (smaller ones to 512 B);
 # chunk slots use the same granularity.
 SLOT_ALIGNMENT = 2 * 2**20
-# Slots of 256 MiB and more are rounded up to this. A freed slot is a hole that the next forward's
+# Slots of 256 MiB and more are rounded up to this (from 128 MiB those within 1/16 below a
+# multiple of it, too). A freed slot is a hole that the next forward's
 # activations fill, and the large ones (attention scores, fp32 logits) come in power-of-two-like
 # sizes; a slot a little short of them is the worst case: such a request finds only holes just too
 # small, maps new memory (reserved memory creeps up every iteration), and where a smaller block
@@ -77,8 +78,10 @@ def _first_fit(units: List[List[StateTensor]], target: int) -> list:
     half-empty before every large unit (an embedding's master and moments), and every chunk is
     padded to the largest: a small state then took several times its size in GPU buffers, and
     the step, which has them all back, became the run's peak (see [Note: small states] in
-    docs/design.md). Chunks then hold parameters out of order; nothing depends on that order (the
-    fraction split is made before packing, the chunked step steps chunk by chunk)."""
+    docs/design.md). Chunks then hold parameters out of order; correctness does not depend on
+    that order (the fraction split is made before packing, the chunked step steps chunk by chunk
+    and holds a chunk until all of its parameters are stepped), only how long a chunk holding
+    part of a split parameter stays resident in the step."""
     layouts = []
     for unit in units:
         size = _unit_bytes(unit)
@@ -95,7 +98,9 @@ def _first_fit(units: List[List[StateTensor]], target: int) -> list:
 
 def _split_larger_than(units: List[List[StateTensor]], limit: int) -> List[List[StateTensor]]:
     """`units`, with every unit of several tensors that packs to more than `limit` bytes split
-    into one unit per tensor (kept in order: first fit then puts them in neighbouring chunks)."""
+    into one unit per tensor (kept in order, so that first fit tends to put them in neighbouring
+    chunks; a chunk held for a split parameter stays resident in the step until its last part is
+    stepped)."""
     out: List[List[StateTensor]] = []
     for unit in units:
         if len(unit) > 1 and _unit_bytes(unit) > limit:
@@ -163,9 +168,8 @@ def _balanced_layout(units: List[List[StateTensor]], chunk_bytes: int) -> list:
         return layouts
     # Of the layouts tried with no more chunks than that one (or 10 % more than `count`), and the
     # tightest (chunks of at most the largest unit), the one with the fewest GPU bytes: every
-    # buffer is padded to the largest chunk. Whole parameters as units on a small state left a
-    # quarter of it as padding at the balanced sizes (see [Note: small states] in
-    # docs/design.md).
+    # buffer is padded to the largest chunk, and whole parameters as units on a small state padded
+    # much of it at the balanced sizes (see [Note: small states] in docs/design.md).
     tried.append(_first_fit(units, largest))
     most = max(len(layouts), -(-count * 11 // 10))
     return min((lay for lay in tried if len(lay) <= most),

@@ -90,7 +90,8 @@ def add_flags(parser):
         default=0,
         help="With the streamed step: at most this many MiB of optimizer state on the GPU "
         "during the step (at least one chunk). 0: what the activations of the forward left "
-        "room for, at least three chunks. (megatron-offload)",
+        "room for, at least three chunks. Either floor grows by the chunks that a parameter "
+        "split over several holds until its last one is stepped. (megatron-offload)",
     )
     group.add_argument(
         "--offload-release-cached-memory",

@@ -61,7 +61,8 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         chunk_bytes: granularity of freeing and reloading.
         name: for logs.
         copy_piece_bytes: split each chunk's copy into pieces of this size (0: one copy per chunk).
-        by_parameter: pack all state tensors of a parameter into one chunk (the chunked step).
+        by_parameter: pack the state tensors of a parameter into one chunk unless it is larger
+            than half a chunk (the chunked step; chunks.layout_chunks).
         uniform_slots: give every chunk buffer the largest chunk's size, so that any freed chunk
             block takes any chunk (the per-step offload; packing.py). False: each chunk its own
             size (phase switches only, where the state comes back once and stays).
@@ -85,7 +86,7 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {fraction}")
         self.fraction = float(fraction)
-        self.by_parameter = by_parameter  # pack each parameter's state into one chunk (`_units`)
+        self.by_parameter = by_parameter  # a parameter's state as one packing unit (`_units`)
         self.uniform_slots = uniform_slots
         self.kept: List[StateTensor] = []  # state tensors left resident by `fraction`
         # Buffers the kept tensors are packed into (never freed or copied out; `Packing._pack_kept`).

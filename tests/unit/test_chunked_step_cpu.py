@@ -295,7 +295,7 @@ def test_chunked_step_is_bit_identical_and_keeps_the_step_within_its_budget(name
 
 
 class Embedded(MegatronShapedDistOpt):
-    """R1's shape in small: one parameter (the word embedding) with 3x the state of the others."""
+    """One parameter (an embedding) with 3x the state of the largest other."""
     step = MegatronShapedDistOpt.step_with_ready_grads
 
     def __init__(self):
@@ -340,6 +340,8 @@ def test_a_parameter_split_over_chunks_leaves_only_once_it_is_stepped(budget_chu
     assert float(opt.optimizer.state[embedding]["step"]) == len(steps_done)
     # Once per step that ran, with all three of its chunks resident and their host copies stale.
     assert at_its_piece == [[(ChunkState.RESIDENT, False)] * 3] * len(steps_done), at_its_piece
+    # Its first two chunks wait for the third in every step (the step order follows the arrival order).
+    assert coord.step_waiting == [2] * len(steps_done), coord.step_waiting
     assert all(resident <= budget for resident, budget in resident_in_step), resident_in_step
     coord.close()
 
@@ -598,6 +600,7 @@ def test_whole_parameter_units_on_a_small_state_are_packed_with_little_padding(m
         assert_bitwise_equal(snapshot(ref), resident_snapshot(opt, coord))
     assert len(off.chunks) >= packing.MIN_CHUNKS, off.chunks
     assert coord.gpu_bytes <= 1.06 * off.state_bytes, (coord.gpu_bytes, off.state_bytes)
+    assert coord.step_waiting and set(coord.step_waiting) == {0}  # (no parameter split)
     coord.close()
 
 

@@ -1164,9 +1164,87 @@ def test_large_slots_tile_the_activations_that_fill_their_holes():
     assert slot_bytes(497 * MiB + 12345) == 512 * MiB
     assert slot_bytes(512 * MiB) == 512 * MiB
     assert slot_bytes(528 * MiB) == 576 * MiB
+    # From 128 MiB, a slot just short of a granule takes it (256 MiB activations fill it exactly).
+    assert slot_bytes(250 * MiB) == 256 * MiB
+    assert slot_bytes(130 * MiB) == 130 * MiB
+    assert slot_bytes(126 * MiB) == 126 * MiB
     # Smaller slots keep the allocator's own granularity.
     assert slot_bytes(27 * MiB + 1) == 28 * MiB
     assert slot_bytes(5000) == 5120
+
+
+def r1_shaped_state():
+    """State tensors (size and owner only) shaped like R1's model on one rank (no position embedding
+    or final norm): the word embedding (32000 x 2048), then 24 layers' weights and biases, each a
+    master and two moments in fp32."""
+    from types import SimpleNamespace
+
+    numels = [32000 * 2048]
+    for _ in range(24):
+        numels += [2048 * 6144, 6144, 2048 * 2048, 2048, 2048, 2048, 8192 * 2048, 8192, 2048 * 8192, 2048, 2048, 2048]
+    tensors = []
+    for numel in numels:
+        owner = object()
+        tensors += [SimpleNamespace(nbytes=4 * numel, param=owner, name=f"{name}") for name in ("master", "exp_avg",
+                                                                                              "exp_avg_sq")]
+    return tensors
+
+
+@pytest.mark.parametrize("chunk_mib, chunks, slot_mib", [(256, 57, 256), (512, 29, 512), (128, 61, 256)])
+def test_layout_keeps_slots_at_the_size_asked_for_by_splitting_large_parameter_states(chunk_mib, chunks, slot_mib):
+    """Whole parameters as units, the embedding's 750 MiB of state would set every slot to 768 MiB at any
+    chunk size below it; split (here into single tensors, the fewest GPU bytes), the slots are the size
+    asked for, or the largest tensor's (250 MiB, rounded to 256) where that is larger; the state is
+    padded by at most 2 %."""
+    from megatron_offload.chunks import _units, layout_chunks, slot_bytes
+
+    MiB = 2**20
+    tensors = r1_shaped_state()
+    state = sum(t.nbytes for t in tensors)
+    layouts = layout_chunks(_units(tensors, True), chunk_mib * MiB)
+    slot = slot_bytes(max(nbytes for _, _, nbytes in layouts))
+    assert (len(layouts), slot) == (chunks, slot_mib * MiB), (len(layouts), slot / MiB)
+    assert sorted(id(t) for lay in layouts for t in lay[0]) == sorted(id(t) for t in tensors)
+    if chunk_mib >= 256:
+        assert len(layouts) * slot <= 1.02 * state, len(layouts) * slot / state
+    homes = {}
+    for k, (packed, _, _) in enumerate(layouts):
+        for t in packed:
+            homes.setdefault(id(t.param), set()).add(k)
+    assert any(len(h) > 1 for h in homes.values())  # some parameter's state is split
+
+
+def small_state(numels):
+    from types import SimpleNamespace
+
+    tensors = []
+    for numel in numels:
+        owner = object()
+        tensors += [SimpleNamespace(nbytes=4 * numel, param=owner, name=name) for name in ("master", "exp_avg",
+                                                                                          "exp_avg_sq")]
+    return tensors
+
+
+@pytest.mark.parametrize("case", ["r1-at-1-gib", "split-saves-2.8-percent"])
+def test_layout_keeps_parameters_whole_where_splitting_saves_little(case):
+    """At 1 GiB every parameter's state of R1's shape (750 MiB at most) fits a chunk, and whole
+    parameters pad it no more than single tensors do; in the small state, single tensors would
+    take 140 KiB of buffers against 144 KiB, within 3 %: nothing is split (a split parameter holds
+    chunks in the step)."""
+    from megatron_offload.chunks import _units, layout_chunks, slot_bytes
+
+    if case == "r1-at-1-gib":
+        tensors, chunk_bytes = r1_shaped_state(), 2**30
+    else:
+        tensors, chunk_bytes = small_state([256, 1536, 1024, 2048, 512, 256, 1024, 2048, 1024, 1536]), 32768
+    layouts = layout_chunks(_units(tensors, True), chunk_bytes)
+    homes = {}
+    for k, (packed, _, _) in enumerate(layouts):
+        for t in packed:
+            homes.setdefault(id(t.param), set()).add(k)
+    assert all(len(h) == 1 for h in homes.values())
+    if case != "r1-at-1-gib":
+        assert len(layouts) * slot_bytes(max(nbytes for _, _, nbytes in layouts)) == 144 * 1024
 
 
 @pytest.mark.parametrize("config", ["fp32-master", "int16-remainders-bf16-moments", "fp16-moments", "fp16-master"])
