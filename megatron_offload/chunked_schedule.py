@@ -152,8 +152,8 @@ class ChunkedStepSchedule:
         `pieces_by_last_chunk(order)`) is, in `order`. A chunk holds whole parameters (then it
         leaves after its own piece) unless the packing split a parameter larger than half a chunk
         over several (`chunks.layout_chunks`): then a chunk with part of it stays until the piece of
-        its last part,
-        since sending it out earlier would leave a host copy that the step then makes stale."""
+        its last part, since sending it out earlier would leave a host copy that the step then
+        makes stale."""
         piece_of = {}
         for k, chunk in enumerate(order):
             for st in chunk.tensors:
@@ -169,9 +169,17 @@ class ChunkedStepSchedule:
         part of a parameter stepped by a later piece, `_leaving_after`): what the step must hold
         beyond its usual window. 0 where no parameter is split."""
         left_at = {id(chunk): j for j, chunks in enumerate(leaving) for chunk in chunks}
-        most = 0
-        for k in range(len(order)):
-            most = max(most, sum(1 for chunk in order[:k] if left_at[id(chunk)] >= k))
+        # A chunk at i leaving after piece j > i waits through pieces i + 1 .. j (one pass: this
+        # runs at every step, over every chunk).
+        change = [0] * (len(order) + 1)
+        for i, chunk in enumerate(order):
+            if left_at[id(chunk)] > i:
+                change[i + 1] += 1
+                change[left_at[id(chunk)] + 1] -= 1
+        most = waiting = 0
+        for delta in change:
+            waiting += delta
+            most = max(most, waiting)
         return most
 
     def _before_piece(self, off: OptimizerStateOffloader, k: int) -> None:

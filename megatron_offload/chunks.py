@@ -164,8 +164,6 @@ def _balanced_layout(units: List[List[StateTensor]], chunk_bytes: int) -> list:
         layouts = min(new, key=len)
         if len(layouts) <= count:
             break
-    if not units:
-        return layouts
     # Of the layouts tried with no more chunks than that one (or 10 % more than `count`), and the
     # tightest (chunks of at most the largest unit), the one with the fewest GPU bytes: every
     # buffer is padded to the largest chunk, and whole parameters as units on a small state padded
