@@ -293,6 +293,16 @@ def hooks_text(r):
             + ", ".join(f"{k} {v:.0f} ms / {calls.get(k, 0)} calls" for k, v in most) + ")")
 
 
+def step_text(r):
+    """The streamed step's last budget and the most chunks it held for split parameters, as the
+    transfer note prints them (nothing for the whole step or older records)."""
+    waiting = (r.get("step_waiting") or [None])[0]
+    budget = (r.get("step_budget_gib") or [0])[0]
+    if waiting is None or not budget:
+        return ""
+    return f"; step budget {budget:.2f} GiB, up to {waiting} chunks held for split parameters"
+
+
 def waits_text(r):
     """The exposed waits per iteration as the report prints them: over the timed iterations where
     recorded, and the whole run's average (start-up and calibrations included) beside it."""
@@ -361,6 +371,7 @@ def summarize(run, warmup):
         # every rank's readings, without the marks (which rank decided, and whether the cap did)
         "auto_readings": [[reading(c) for c in r.get("auto_calibrations") or []] for r in ranks],
         "step_budget_gib": [(r.get("step_budget_bytes") or 0) / 2**30 for r in ranks],
+        "step_waiting": [r.get("step_waiting") for r in ranks],
         # Copy-out pieces the feeder enqueued (copy_feeder.py): > 0 where the copy-out started in the step.
         "feeder_enqueued_pieces": [r.get("feeder_enqueued_pieces") for r in ranks],
         "startup_and_run_s": run["seconds"],
@@ -771,7 +782,7 @@ def report(results, ceilings):
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
                   f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; host-lead waits "
                   f"{(r.get('host_lead_waits') or [0])[0] or 0} ({(r.get('host_lead_wait_ms') or [0])[0] or 0:.0f} ms in "
-                  f"all); {hooks_text(r)}; expandable segments {r['expandable_segments']}")
+                  f"all); {hooks_text(r)}; expandable segments {r['expandable_segments']}{step_text(r)}")
         if ref and ref is not r and "host_drop_gib" in r and "host_drop_gib" in ref:
             # Acceptance of the host-memory fix: node drop over the baseline's <= 1.05 x pinned + 1 GiB/rank.
             extra = r["host_drop_gib"] - ref["host_drop_gib"]

@@ -834,6 +834,8 @@ class Recorder:
                     "auto_fraction": dataclasses.asdict(coord.auto_choice) if coord.auto_choice else None,
                     "auto_calibrations": coord.calibrations,
                     "step_budget_bytes": coord.step_budgets[-1] if coord.step_budgets else None,
+                    # the most chunks a streamed step held for parameters split over several
+                    "step_waiting": max(coord.step_waiting) if getattr(coord, "step_waiting", None) else None,
                     "pinned_bytes": coord.pinned_bytes,
                     "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,
                     "cumulative_h2d_bytes": coord.streams.stats.cumulative_h2d_bytes,

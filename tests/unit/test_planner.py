@@ -572,6 +572,10 @@ def test_the_benchmark_reports_the_plugins_host_time_in_its_hooks(capsys):
     benchmark.report({"offload": r}, None)
     out = capsys.readouterr().out
     assert "offload: achieved D2H 50.0 GB/s, H2D 50.0 GB/s; exposed" in out and "cached-memory releases" in out
+    assert "held for split parameters" not in out  # (no streamed step recorded)
+    r["step_budget_gib"], r["step_waiting"] = [0.75], [2]
+    benchmark.report({"offload": r}, None)
+    assert "; step budget 0.75 GiB, up to 2 chunks held for split parameters" in capsys.readouterr().out
     r["timed_hook_ms"] = None
     benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
     assert "host time in hooks: not recorded" in capsys.readouterr().out
