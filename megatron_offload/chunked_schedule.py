@@ -131,7 +131,8 @@ class ChunkedStepSchedule:
         order = sorted(off.chunks, key=lambda c: (rank[c.state],
                                                   c.copy_in_seq if c.state is ChunkState.COPYING_IN else 0))
         self.it.step_order[id(off)] = order
-        leaving = self.it.leaving_after[id(off)] = self._leaving_after(order)
+        pieces = chunked_step.pieces_by_last_chunk(order)
+        leaving = self.it.leaving_after[id(off)] = self._leaving_after(order, pieces)
         waiting = self._most_waiting(order, leaving)
         if not self.it.step_budget:
             self.it.step_budget = self._step_budget(waiting)
@@ -144,20 +145,17 @@ class ChunkedStepSchedule:
         # One piece per chunk: the parameters whose state is complete once that chunk is back
         # (empty for a chunk holding only the first part of a parameter split over several), then
         # one for the parameters with no chunk: state kept by the fraction, or not created yet.
-        return chunked_step.complete_pieces(off.dist_opt.optimizer, chunked_step.pieces_by_last_chunk(order))
+        return chunked_step.complete_pieces(off.dist_opt.optimizer, pieces)
 
     @staticmethod
-    def _leaving_after(order) -> List[list]:
+    def _leaving_after(order, pieces) -> List[list]:
         """Entry k: the chunks of `order` whose every parameter has been stepped once piece k (of
-        `pieces_by_last_chunk(order)`) is, in `order`. A chunk holds whole parameters (then it
+        `pieces`, `pieces_by_last_chunk(order)`) is, in `order`. A chunk holds whole parameters (then it
         leaves after its own piece) unless the packing split a parameter larger than half a chunk
         over several (`chunks.layout_chunks`): then a chunk with part of it stays until the piece of
         its last part, since sending it out earlier would leave a host copy that the step then
         makes stale."""
-        piece_of = {}
-        for k, chunk in enumerate(order):
-            for st in chunk.tensors:
-                piece_of[id(st.param)] = k
+        piece_of = {id(p): k for k, piece in enumerate(pieces) for p in piece}
         leaving: List[list] = [[] for _ in order]
         for chunk in order:
             leaving[max(piece_of[id(st.param)] for st in chunk.tensors)].append(chunk)

@@ -135,7 +135,7 @@ def layout_chunks(units: List[List[StateTensor]], chunk_bytes: int) -> list:
         if options and len(split) == len(units) + options[-1][0]:
             continue  # (nothing more split at this limit: the layout already tried)
         layouts = _balanced_layout(split, chunk_bytes)
-        slot = slot_bytes(max(nbytes for _, _, nbytes in layouts))
+        slot = _slot_of(layouts)
         options.append((len(split) - len(units), len(layouts) * slot, slot, layouts))
     # Slots larger than the size asked for (or than the largest tensor's chunk) only if all are.
     allowed = slot_bytes(max([chunk_bytes] + [_unit_bytes([st]) for unit in units for st in unit]))
@@ -171,7 +171,12 @@ def _balanced_layout(units: List[List[StateTensor]], chunk_bytes: int) -> list:
     tried.append(_first_fit(units, largest))
     most = max(len(layouts), -(-count * 11 // 10))
     return min((lay for lay in tried if len(lay) <= most),
-               key=lambda lay: (len(lay) * slot_bytes(max(nbytes for _, _, nbytes in lay)), len(lay)))
+               key=lambda lay: (len(lay) * _slot_of(lay), len(lay)))
+
+
+def _slot_of(layouts: list) -> int:
+    """The slot every chunk of `layouts` (non-empty) is padded to."""
+    return slot_bytes(max(nbytes for _, _, nbytes in layouts))
 
 
 class ChunkState(enum.Enum):
