@@ -61,6 +61,44 @@ class MemoryPolicy:
         # admission). And the chunks the position rule held back, counted once per call that did.
         self.reload_starts: Deque[Tuple[int, Optional[int]]] = collections.deque(maxlen=RELOAD_STARTS_KEPT)
         self.reloads_deferred_for_position = 0
+        # Allocated bytes other than state when the latest sampled first forward began
+        # (`_forget_lasting_growth`), and how often a lasting growth made the profile be learned again.
+        self._sampled_base: Optional[int] = None
+        self.profile_relearned = 0
+
+    def _forget_lasting_growth(self) -> None:
+        """At the iteration's first forward, before it samples: if memory other than the state
+        (`_base_bytes`) grew by more than the margin since the latest sampled forward began,
+        that growth stayed allocated, yet that sample counted it as activation growth. Lower P
+        by it and learn the profile again (this forward frees everything at its first hook, as
+        an unknown profile does, and samples exact growth).
+
+        Why: P and the profile are running maxima, and the first sample usually comes from the
+        first iteration, which creates what lives on for the whole run. Transformer Engine's FP8
+        layers make their FP8 weight copies and transposes in the first forward: counted as
+        growth, they raised every later budget by up to their size, and the first forward's peak
+        kept that much state above A0 - S + P (module docstring).
+
+        P less the growth is no more than the true peak growth when the lasting memory appeared
+        before the peak (the FP8 copies); appearing later (in the step), it makes P too low
+        until a sample exceeds it, the first forward keeping more state than the budget meant
+        (what every iteration did before this rule). A profile learned again from scratch
+        costs one forward that waits for the whole copy-out at its first layer."""
+        base = self._base_bytes()
+        if (self._sampled_base is not None and self.peak_growth is not None
+                and base - self._sampled_base > self.config.margin_bytes):
+            self.peak_growth = max(0, self.peak_growth - (base - self._sampled_base))
+            self.profile = []
+            self.profile_end = None
+            self.profile_relearned += 1
+            self._trace("profile_relearned")
+        if self._chunks(ChunkState.COPYING_OUT) or self.peak_growth is None:
+            self._sampled_base = base
+
+    def _base_bytes(self) -> int:
+        """Allocated bytes other than the optimizer state: less the chunk buffers on the GPU and
+        the state a fraction keeps there."""
+        return self._allocated() - self.resident_bytes - sum(off.kept_bytes for off in self.offloaders)
 
     def _pace_layer(self, h: int) -> None:
         """Layer `h` of the iteration's first forward is about to run (`layer_forward_begin`):

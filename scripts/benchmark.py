@@ -347,6 +347,7 @@ def summarize(run, warmup):
         "fit_skips": [r.get("fit_skips") for r in ranks],
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
         "reloads_deferred_for_position": [r.get("reloads_deferred_for_position") for r in ranks],
+        "profile_relearned": [r.get("profile_relearned") for r in ranks],
         "reload_starts": ranks[0].get("reload_starts"),
         "backward_workspace_mib": [(r.get("backward_workspace") or 0) / 2**20 for r in ranks],
         "workspace_by_position_mib": {k: v / 2**20 for k, v in (ranks[0].get("workspace_by_position") or {}).items()},
@@ -777,7 +778,8 @@ def report(results, ceilings):
                   f"{r['fit_checks'][0]} ({r['fit_check_ms'][0] or 0:.0f} ms host in all; "
                   f"{(r.get('fit_skips') or [None])[0]} answered by the counters), reloads deferred "
                   f"for fit {r['reloads_deferred_for_fit'][0]} ({workspace_text(r)}), chunks held back by the position rule "
-                  f"{(r.get('reloads_deferred_for_position') or [None])[0]} (once per hook); {reload_starts_text(r)}; "
+                  f"{(r.get('reloads_deferred_for_position') or [None])[0]} (once per hook); growth profile learned "
+                  f"again {(r.get('profile_relearned') or [None])[0]} times; {reload_starts_text(r)}; "
                   f"cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
                   f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; host-lead waits "

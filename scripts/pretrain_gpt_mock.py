@@ -848,6 +848,9 @@ class Recorder:
                     "feeder_enqueued_pieces": coord.feeder.enqueued_pieces if coord.feeder is not None else None,
                     "reloads_deferred_for_fit": coord.reloads_deferred_for_fit,
                     "reloads_deferred_for_position": coord.reloads_deferred_for_position,
+                    # first forwards that found memory kept for good since the last sample
+                    # (MemoryPolicy._forget_lasting_growth)
+                    "profile_relearned": coord.profile_relearned,
                     # (iterations done, backward position of the iteration's first reload; -1: fallback;
                     # None: unknown, inside a recomputation)
                     "reload_starts": list(coord.reload_starts),

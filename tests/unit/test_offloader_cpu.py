@@ -543,7 +543,9 @@ class SimulatedMemory:
 
 
 def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microbatches=2, trace=None,
-                        backward_layer=None, loss_transient=0):
+                        backward_layer=None, loss_transient=0, lasting_layer_bytes=0):
+    """One training iteration on `mem`. `lasting_layer_bytes`: what each layer of the first
+    iteration's first forward allocates for good (as Transformer Engine's FP8 weight copies)."""
     for mb in range(microbatches):
         if coord:
             coord.forward_begin(True)
@@ -553,6 +555,8 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
                 if trace is not None and mb == 0:
                     trace.append(coord.bytes_in(ChunkState.COPYING_OUT, ChunkState.RESIDENT))
             mem.act += layer_bytes
+            if step == 0 and mb == 0:
+                mem.base += lasting_layer_bytes
             mem.allocated()
         mem.act += logits_bytes
         mem.allocated()
@@ -624,7 +628,45 @@ def test_memory_budget_frees_late_and_takes_state_off_the_peak():
     assert ref_mem.max >= ref_mem.base + act_peak + state
     # The whole state is off the peak (the margin is the only slack allowed).
     assert mem.max <= ref_mem.max - state + margin, (mem.max, ref_mem.max, state)
+    assert coord.profile_relearned == 0
 
+
+def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_growth():
+    """Transformer Engine's FP8 layers allocate their weight copies in the first iteration's
+    first forward and keep them. That iteration's sample (the first, before any state exists)
+    counts them as growth; P and the profile would then let as many state bytes stay through
+    every later first forward's peak. The next first forward sees the lasting growth, lowers P
+    by it and learns the profile again; from then on the frees are paced as without the lasting
+    memory and the state is off the peak."""
+    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
+
+    def run(lasting):
+        ref, opt = FakeDistOpt(), FakeDistOpt()
+        ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
+        coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated)
+        coord.add_optimizer(opt)
+        coord.offload_existing_state()  # (the masters, as the Megatron wiring does at start-up)
+        coord.streams.record = lambda stream: _FinishedCopy(False)  # every copy-out still running at the frees
+        for step in range(2):
+            simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, lasting_layer_bytes=lasting)
+            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, lasting_layer_bytes=lasting)
+        ref_mem.max = mem.max = 0
+        traces = []
+        for step in range(2, 5):
+            traces.append([])
+            simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes)
+            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=traces[-1])
+            assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        assert mem.max <= ref_mem.max - coord.state_bytes + margin, (mem.max, ref_mem.max - coord.state_bytes)
+        return coord, traces
+
+    lasting = 20_000  # per layer: LAYERS x 20000 bytes, several chunks
+    coord, traces = run(lasting)
+    assert LAYERS * lasting > 2 * coord.offloaders[0].chunks[0].gpu_nbytes + margin
+    assert coord.profile_relearned == 1
+    plain, plain_traces = run(0)
+    assert plain.profile_relearned == 0
+    assert traces == plain_traces and plain_traces[0][0] == plain.gpu_bytes and plain_traces[0][-1] == 0, traces
 
 def test_a_peak_between_the_last_layer_and_the_forward_end_finds_the_state_off():
     """The functional model on 2 x H200: after the last pacing hook (the output layer) the loss

@@ -633,6 +633,7 @@ def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys
                           "iterations": 4},
              "growth_profile": [2 << 20], "peak_growth": 4 << 20,
              "reload_starts": [[1, 23], [2, 21], [3, -1], [4, None]], "reloads_deferred_for_position": 17,
+             "profile_relearned": 1,
              "backward_workspace": 3 << 20, "workspace_by_position": {"0": 1 << 20, "2": 3 << 20, "1": 2 << 20}}
     rank1 = {"iterations": [it([0.0, 0.0])] * 4, "growth_profile": [9 << 20], "peak_growth": 9 << 20,
              "reload_starts": [[1, 5]], "reloads_deferred_for_position": 3}
@@ -646,7 +647,8 @@ def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys
     assert ("exposed waits per iteration: before free 3.0 ms, before step 6.0 ms over the timed iterations "
             "(whole run 49.0 / 18.0)") in out
     assert "(backward workspace 3 MiB (by position: 2:3, 1:2, 0:1)), chunks held back" in out
-    assert ("chunks held back by the position rule 17 (once per hook); first reload per iteration at backward "
+    assert ("chunks held back by the position rule 17 (once per hook); growth profile learned again 1 times; "
+            "first reload per iteration at backward "
             "position 1:23, 2:21, 3:-1, 4:?;") in out
     del r["reload_starts"]
     benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
