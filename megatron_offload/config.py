@@ -84,6 +84,9 @@ class OffloadConfig:
     # the benchmark's @fbrelall; whether the hand-back pays where activations cut the chunks' holes
     # in later iterations too).
     fallback_release_every_iteration: bool = False
+    # Memory kept for good since the latest sample lowers P and the profile is learned again
+    # (MemoryPolicy._forget_lasting_growth; False: the benchmark's @keepprofile).
+    forget_lasting_growth: bool = True
     # The host-lead bound of the automatic fraction's calibration iterations (None: the run's own).
     calibration_host_lead_layers: Optional[int] = CALIBRATION_HOST_LEAD_LAYERS
     # The second calibration's reading bounded by the first's untrimmed estimate

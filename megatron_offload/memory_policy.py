@@ -85,7 +85,7 @@ class MemoryPolicy:
         (what every iteration did before this rule). A profile learned again from scratch
         costs one forward that waits for the whole copy-out at its first layer."""
         base = self._base_bytes()
-        if (self._sampled_base is not None and self.peak_growth is not None
+        if (self.config.forget_lasting_growth and self._sampled_base is not None and self.peak_growth is not None
                 and base - self._sampled_base > self.config.margin_bytes):
             self.peak_growth = max(0, self.peak_growth - (base - self._sampled_base))
             self.profile = []

@@ -77,6 +77,9 @@ MODIFIERS = {
     # ... and that hand-back in every iteration whose fallback reload fits no free blocks, not
     # only the first after the state was all off (OffloadConfig.fallback_release_every_iteration).
     "fbrelall": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE_ALL": "1"},
+    # Memory the first iteration keeps for good stays counted as activation growth in P and the
+    # profile (OffloadConfig.forget_lasting_growth off: the behaviour before that rule).
+    "keepprofile": {"MEGATRON_OFFLOAD_FORGET_LASTING": "0"},
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
