@@ -79,11 +79,12 @@ class MemoryPolicy:
         growth, they raised every later budget by up to their size, and the first forward's peak
         kept that much state above A0 - S + P (module docstring).
 
-        P less the growth is no more than the true peak growth when the lasting memory appeared
-        before the peak (the FP8 copies); appearing later (in the step), it makes P too low
-        until a sample exceeds it, the first forward keeping more state than the budget meant
-        (what every iteration did before this rule). A profile learned again from scratch
-        costs one forward that waits for the whole copy-out at its first layer."""
+        P less the growth is the true peak growth where the lasting memory appeared before the
+        peak (the FP8 copies). Where it appeared after it (in the step), P comes out too low
+        until samples raise it again (`_update_peak_growth`): a budget that frees earlier than
+        needed, costing copy-out waits, never memory. A profile learned again from scratch
+        costs one forward that waits for the whole copy-out at its first layer. See [Note: lasting
+        growth] in docs/design.md."""
         base = self._base_bytes()
         if (self.config.forget_lasting_growth and self._sampled_base is not None and self.peak_growth is not None
                 and base - self._sampled_base > self.config.margin_bytes):
