@@ -176,10 +176,11 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
             return
         it.move_to(IterationState.FIRST_FORWARD)
         it.began_offloaded = self.bytes_in(ChunkState.OFFLOADED) == self.gpu_bytes
-        self._forget_lasting_growth()
         # Sample how this forward's activations grow while there is something left to free (or
         # nothing is known yet); the sample's `freed` counts what leaves from here on.
-        if self._chunks(ChunkState.COPYING_OUT) or self.peak_growth is None:
+        sampling = bool(self._chunks(ChunkState.COPYING_OUT)) or self.peak_growth is None
+        self._forget_lasting_growth(sampling)
+        if sampling:
             it.sample = ForwardSample(allocated_at_start=self._allocated(), max_allocated_at_start=self._max_allocated(),
                                       freed_at_first_hook=self.peak_growth is None)
         self._trace("forward_begin")

@@ -66,12 +66,12 @@ class MemoryPolicy:
         self._sampled_base: Optional[int] = None
         self.profile_relearned = 0
 
-    def _forget_lasting_growth(self) -> None:
-        """At the iteration's first forward, before it samples: if memory other than the state
-        (`_base_bytes`) grew by more than the margin since the latest sampled forward began,
-        that growth stayed allocated, yet that sample counted it as activation growth. Lower P
-        by it and learn the profile again (this forward frees everything at its first hook, as
-        an unknown profile does, and samples exact growth).
+    def _forget_lasting_growth(self, sampling: bool) -> None:
+        """At the iteration's first forward, before it samples (`sampling`): if memory other than
+        the state (`_base_bytes`) grew by more than the margin since the latest sampled forward
+        began, that growth stayed allocated, yet that sample counted it as activation growth.
+        Lower P by it and learn the profile again (this forward frees everything at its first
+        hook, as an unknown profile does, and samples exact growth).
 
         Why: P and the profile are running maxima, and the first sample usually comes from the
         first iteration, which creates what lives on for the whole run. Transformer Engine's FP8
@@ -93,13 +93,14 @@ class MemoryPolicy:
             self.profile_end = None
             self.profile_relearned += 1
             self._trace("profile_relearned")
-        if self._chunks(ChunkState.COPYING_OUT) or self.peak_growth is None:
+        if sampling:
             self._sampled_base = base
 
     def _base_bytes(self) -> int:
         """Allocated bytes other than the optimizer state: less the chunk buffers on the GPU and
-        the state a fraction keeps there."""
-        return self._allocated() - self.resident_bytes - sum(off.kept_bytes for off in self.offloaders)
+        the buffers of the state a fraction keeps there."""
+        kept = sum(c.gpu_nbytes for off in self.offloaders for c in off.kept_chunks)
+        return self._allocated() - self.resident_bytes - kept
 
     def _pace_layer(self, h: int) -> None:
         """Layer `h` of the iteration's first forward is about to run (`layer_forward_begin`):

@@ -640,10 +640,11 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
     memory and the state is off the peak."""
     layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
 
-    def run(lasting):
+    def run(lasting, fraction=1.0):
         ref, opt = FakeDistOpt(), FakeDistOpt()
         ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
-        coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated)
+        coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
+                           state_fraction=fraction)
         coord.add_optimizer(opt)
         coord.offload_existing_state()  # (the masters, as the Megatron wiring does at start-up)
         coord.streams.record = lambda stream: _FinishedCopy(False)  # every copy-out still running at the frees
@@ -658,6 +659,7 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
             simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=traces[-1])
             assert_bitwise_equal(snapshot(ref), snapshot(opt))
         assert mem.max <= ref_mem.max - coord.state_bytes + margin, (mem.max, ref_mem.max - coord.state_bytes)
+        assert coord._base_bytes() == mem.base  # (between iterations: no activations)
         return coord, traces
 
     lasting = 20_000  # per layer: LAYERS x 20000 bytes, several chunks
@@ -667,6 +669,11 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
     plain, plain_traces = run(0)
     assert plain.profile_relearned == 0
     assert traces == plain_traces and plain_traces[0][0] == plain.gpu_bytes and plain_traces[0][-1] == 0, traces
+    # State a fraction keeps on the GPU appears with the moments, after the first sample: not lasting growth.
+    half, _ = run(0, fraction=0.5)
+    assert half.profile_relearned == 0 and sum(off.kept_bytes for off in half.offloaders) > 2 * margin
+    half, _ = run(lasting, fraction=0.5)
+    assert half.profile_relearned == 1
 
 def test_a_peak_between_the_last_layer_and_the_forward_end_finds_the_state_off():
     """The functional model on 2 x H200: after the last pacing hook (the output layer) the loss
