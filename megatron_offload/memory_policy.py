@@ -10,7 +10,8 @@ that means r(t) + g(t) <= P. At each layer's forward pre-hook we free chunks unt
 r <= P - g(next hook) - margin, g being the growth profile measured on earlier iterations; after
 the last hook (output layer and loss, unsampled until the forward's end) the budget is 0.
 Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook;
-so does a copy-out already finished there (nothing left to pace: `_free_when_copied_out`).
+so does an empty profile (learned again after memory kept for good: `_forget_lasting_growth`)
+and a copy-out already finished there (nothing left to pace: `_free_when_copied_out`).
 Reloads in the last backward(s) follow the same rule in reverse: a chunk comes back when
 allocated + its bytes stays below the highest allocated level seen at the end of a forward in
 this iteration, which the state was already off for, and, since *reserved* memory is what runs
@@ -41,7 +42,8 @@ class MemoryPolicy:
     """The free budget (`_free_until`), the growth profile and the memory-aware reloads."""
 
     def _init_memory_policy(self) -> None:
-        self.profile: List[int] = []  # the first forward's growth per layer (running max)
+        # the first forward's growth per layer (running max; emptied by `_forget_lasting_growth`)
+        self.profile: List[int] = []
         self.profile_end: Optional[int] = None
         self.peak_growth: Optional[int] = None
         # What each interval of the first backward allocated (own reloads excluded), keyed by the
@@ -82,17 +84,22 @@ class MemoryPolicy:
         P less the growth is the true peak growth where the lasting memory appeared before the
         peak (the FP8 copies). Where it appeared after it (in the step), P comes out too low
         until samples raise it again (`_update_peak_growth`): a budget that frees earlier than
-        needed, costing copy-out waits, never memory. A profile learned again from scratch
-        costs one forward that waits for the whole copy-out at its first layer. See [Note: lasting
-        growth] in docs/design.md."""
+        needed, costing copy-out waits, not allocated memory. A profile learned again from
+        scratch costs one forward that waits for the whole copy-out at its first layer; its
+        chunks, freed there, come back only at the end of the backward (their reload position is
+        the first layer). Growth below one chunk slot (or the margin) is left alone: the frees
+        move a chunk at a time. The base is taken as seen whenever the rule fires, sampling or
+        not, so that one growth counts once. See [Note: lasting growth] in docs/design.md."""
         base = self._base_bytes()
-        if (self.config.forget_lasting_growth and self._sampled_base is not None and self.peak_growth is not None
-                and base - self._sampled_base > self.config.margin_bytes):
-            self.peak_growth = max(0, self.peak_growth - (base - self._sampled_base))
+        grown = base - self._sampled_base if self._sampled_base is not None else 0
+        if (self.config.forget_lasting_growth and self.peak_growth is not None
+                and grown > max(self.config.margin_bytes, self._slot())):
+            self.peak_growth = max(0, self.peak_growth - grown)
             self.profile = []
             self.profile_end = None
             self.profile_relearned += 1
             self._trace("profile_relearned")
+            self._sampled_base = base
         if sampling:
             self._sampled_base = base
 
@@ -415,7 +422,8 @@ class MemoryPolicy:
         counted in the sample's `freed` were already off. The high-water mark only says something
         when this iteration raised it (it also remembers start-up transients). Afterwards, and
         when the mark did not move, P only grows from sampled growth values, which are exact where
-        they were taken and never overestimate.
+        they were taken and never overestimate; it falls only by memory kept for good since a
+        sample (`_forget_lasting_growth`), which that sample counted as growth.
         """
         sample = self.it.sample
         if sample is None:

@@ -867,7 +867,8 @@ class Recorder:
                     "hook_host_ms": dict(coord.hook_clock.ms),
                     "hook_calls": dict(coord.hook_clock.calls),
                     # The first forward's activation growth per pacing hook (running max over the
-                    # iterations) and its peak: the budget's input, against the planner's linear phases.
+                    # iterations since it was last learned again) and its peak: the budget's input,
+                    # against the planner's linear phases.
                     "growth_profile": list(coord.profile),
                     "peak_growth": coord.peak_growth,
                 }
