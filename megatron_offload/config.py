@@ -68,7 +68,7 @@ class OffloadConfig:
     collect_after_setup: bool = True
     # Diagnostic switches (the benchmark sets them to measure alternatives; defaults are the product):
     keep_backward_workspace: bool = True  # reloads leave room for the next layer's backward
-    # ... for the largest interval still to come, not of the whole backward (MemoryPolicy._workspace_for)
+    # ... for the largest interval still to come, not of the whole backward (ReloadPolicy._workspace_for)
     workspace_by_position: bool = True
     backward_reloads: bool = True  # reloads inside the last backward (else all at finalize)
     host_waits_at_free: bool = False  # the forward's frees also block the host
@@ -78,7 +78,7 @@ class OffloadConfig:
     # The same at any layer hook of the first forward (a diagnostic: the benchmark's @freecopied).
     free_when_copied_out: bool = False
     # The fallback reload first hands mapped free memory back when the chunks fit no free block
-    # (MemoryPolicy._room_for_fallback).
+    # (ReloadPolicy._room_for_fallback).
     release_before_unfitted_reload: bool = True
     # ... in every iteration, not only one whose first forward found every chunk off (a diagnostic:
     # the benchmark's @fbrelall; whether the hand-back pays where activations cut the chunks' holes

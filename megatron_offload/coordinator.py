@@ -16,7 +16,8 @@ concerns live in their own modules, each a mixin of this class over the state se
 `__init__` (imports go one way: they never import this module):
 
     registration      offloaders for the optimizers, hooks on the model's layers
-    memory_policy     the first forward's free budget and the last backward's reloads
+    memory_policy     the first forward's free budget and its growth profile
+    reload_policy     the last backward's reloads and the workspace they leave
     allocator         allocator readers and the optional release of cached memory
     chunked_schedule  which chunks load, step and leave during a chunked step
     calibration       `--offload-state-fraction auto`'s measured iteration
@@ -50,6 +51,7 @@ from .iteration import ForwardSample, IterationRecord, IterationState
 from .ledger import Ledger
 from .lifecycle import HookClock, lifecycle
 from .memory_policy import MemoryPolicy
+from .reload_policy import ReloadPolicy
 from .offloader import ChunkState, OptimizerStateOffloader
 from .phase import Phase
 from .phase_switch import PhaseSwitch
@@ -60,8 +62,8 @@ from .streams import CopyStreams, HostLeadBound
 logger = logging.getLogger(__name__)
 
 
-class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess, PhaseSwitch,
-                         Ledger):
+class OffloadCoordinator(Registration, MemoryPolicy, ReloadPolicy, CacheRelease, ChunkedStepSchedule, Calibration, StateAccess,
+                         PhaseSwitch, Ledger):
     """Drives every offloader of one process through the training iteration (module docstring)."""
 
     def __init__(
@@ -126,6 +128,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, CacheRelease, ChunkedStepSc
         # Across iterations (each concern's module): the first forward's growth profile and the
         # backward's workspace, the chunked step's levels, and counters for the report.
         self._init_memory_policy()
+        self._init_reload_policy()
         self._init_chunked_schedule()
 
     def _trace(self, what: str) -> None:

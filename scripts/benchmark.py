@@ -64,7 +64,7 @@ MODIFIERS = {
     # Reloads in the last backward without the workspace rule (coordinator._fitting, before 5eafd37).
     "nows": {"MEGATRON_OFFLOAD_WORKSPACE": "0"},
     # The workspace rule with the largest interval of the whole backward at every reload, not the
-    # largest still to come (MemoryPolicy._workspace_for off).
+    # largest still to come (ReloadPolicy._workspace_for off).
     "wsmax": {"MEGATRON_OFFLOAD_WORKSPACE_BY_POSITION": "0"},
     # No reload inside the last backward: everything at finalize_model_grads (diagnostic).
     "reloadlate": {"MEGATRON_OFFLOAD_BACKWARD_RELOADS": "0"},
@@ -72,7 +72,7 @@ MODIFIERS = {
     "hostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "1"},
     "nohostwait": {"MEGATRON_OFFLOAD_HOST_WAIT": "0"},
     # The fallback reload maps new memory instead of first handing back free blocks too small
-    # for the chunks (MemoryPolicy._room_for_fallback off).
+    # for the chunks (ReloadPolicy._room_for_fallback off).
     "nofbrel": {"MEGATRON_OFFLOAD_FALLBACK_RELEASE": "0"},
     # ... and that hand-back in every iteration whose fallback reload fits no free blocks, not
     # only the first after the state was all off (OffloadConfig.fallback_release_every_iteration).

@@ -197,7 +197,7 @@ def test_offload_bit_exact_and_state_freed():
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("delay_cycles", [0, 50_000_000], ids=["", "copy-stream-delays"])
 def test_fallback_release_in_the_first_iteration_stays_bit_exact(delay_cycles, streamed):
-    """MemoryPolicy._room_for_fallback on the real allocator: a free-block reader that finds room for
+    """ReloadPolicy._room_for_fallback on the real allocator: a free-block reader that finds room for
     no chunk leaves every reload to the fallback (the streamed step: to its admission at
     grads_finalizing); in the first iteration (every chunk off since the start-up offload) it first
     waits for the compute stream and empties the cache, while copies may still be in flight, then

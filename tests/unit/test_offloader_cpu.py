@@ -2302,15 +2302,15 @@ def test_fit_pre_check_never_changes_what_fits():
     what it chooses without it, and defers the same number of reloads."""
     import random
 
-    from megatron_offload.memory_policy import MemoryPolicy
+    from megatron_offload.reload_policy import ReloadPolicy
 
     class Chunk:
         def __init__(self, nbytes):
             self.gpu_nbytes = nbytes
 
-    class Policy(MemoryPolicy):
+    class Policy(ReloadPolicy):
         def __init__(self, blocks, free_mapped, workspace, slot):
-            self._init_memory_policy()
+            self._init_reload_policy()
             self._free_block_sizes = lambda: list(blocks)
             self._free_mapped = free_mapped
             self.workspace_per_interval = {None: workspace}
