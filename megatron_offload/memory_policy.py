@@ -39,7 +39,7 @@ class MemoryPolicy:
 
     def _forget_lasting_growth(self, sampling: bool) -> None:
         """At the iteration's first forward, before it samples (`sampling`): if memory other than
-        the state (`_base_bytes`) grew by more than the margin since the latest sampled forward
+        the state (`_base_bytes`) grew by more than a chunk slot since the latest sampled forward
         began, that growth stayed allocated, yet that sample counted it as activation growth.
         Lower P by it and learn the profile again (this forward frees everything at its first
         hook, as an unknown profile does, and samples exact growth).
