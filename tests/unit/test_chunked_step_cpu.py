@@ -328,6 +328,23 @@ def test_a_parameter_split_over_chunks_leaves_only_once_it_is_stepped(budget_chu
         if embedding.grad is not None:  # (the embedding's piece: every other one hides its gradient)
             at_its_piece.append([(c.state, c.host_valid) for c in off.chunks if c.index in homes])
     opt.optimizer.register_step_pre_hook(before_each_piece)
+    # Which chunks the step frees to make room while keeping the latest copied out: never one of
+    # the group the latest piece sent out (the embedding's piece sends its three chunks at once).
+    free_stepped, free, latest_freed, groups = coord._free_stepped, off.free, [], []
+
+    def watched_free_stepped(nbytes, keep_latest=True):
+        group = coord.it.stepped_out[len(coord.it.stepped_out) - coord.it.latest_out:] if keep_latest else []
+        groups.append(len(group))
+
+        def watched_free(chunks, **kw):
+            latest_freed.extend(c for c in chunks if (off, c) in group)
+            return free(chunks, **kw)
+        off.free = watched_free
+        try:
+            free_stepped(nbytes, keep_latest=keep_latest)
+        finally:
+            off.free = free
+    coord._free_stepped = watched_free_stepped
     skips, steps_done = {2}, []
     for step in range(5):
         make_grads(ref.all_params(), step)
@@ -343,6 +360,9 @@ def test_a_parameter_split_over_chunks_leaves_only_once_it_is_stepped(budget_chu
     # Its first two chunks wait for the third in every step (the step order follows the arrival order).
     assert coord.step_waiting == [2] * len(steps_done), coord.step_waiting
     assert all(resident <= budget for resident, budget in resident_in_step), resident_in_step
+    assert not latest_freed, latest_freed
+    if budget_chunks:  # (the tight budget frees during the step, the group of three included)
+        assert 3 in groups, groups
     coord.close()
 
 
