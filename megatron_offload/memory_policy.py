@@ -61,15 +61,15 @@ class MemoryPolicy:
         not, so that one growth counts once. See [Note: lasting growth] in docs/design.md."""
         base = self._base_bytes()
         grown = base - self._sampled_base if self._sampled_base is not None else 0
-        if (self.config.forget_lasting_growth and self.peak_growth is not None
-                and grown > max(self.config.margin_bytes, self._slot())):
+        fires = (self.config.forget_lasting_growth and self.peak_growth is not None
+                 and grown > max(self.config.margin_bytes, self._slot()))
+        if fires:
             self.peak_growth = max(0, self.peak_growth - grown)
             self.profile = []
             self.profile_end = None
             self.profile_relearned += 1
             self._trace("profile_relearned")
-            self._sampled_base = base
-        if sampling:
+        if fires or sampling:
             self._sampled_base = base
 
     def _base_bytes(self) -> int:

@@ -836,7 +836,7 @@ class Recorder:
                     "auto_calibrations": coord.calibrations,
                     "step_budget_bytes": coord.step_budgets[-1] if coord.step_budgets else None,
                     # the most chunks a streamed step held for parameters split over several
-                    "step_waiting": max(coord.step_waiting) if getattr(coord, "step_waiting", None) else None,
+                    "step_waiting": max(coord.step_waiting) if coord.step_waiting else None,
                     "pinned_bytes": coord.pinned_bytes,
                     "cumulative_d2h_bytes": coord.streams.stats.cumulative_d2h_bytes,
                     "cumulative_h2d_bytes": coord.streams.stats.cumulative_h2d_bytes,

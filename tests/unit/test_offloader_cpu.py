@@ -590,17 +590,21 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
         coord.optimizer_step_done()
 
 
-def warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=False, **iteration_kw):
+def warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=False, offload_at_start=False, state_fraction=1.0,
+                   **iteration_kw):
     """A reference optimizer and an offloaded one, each with its simulated memory, after the two
     iterations that measure the growth profile: (ref, opt, ref_mem, mem, coord). With
     `copies_running` every copy-out is still in flight when the forward frees (as on a GPU where
     the copy-out runs into the forward), so the budget paces the frees; else (CPU copies are
-    synchronous) the copy-out is over by the first hook, which then frees it all."""
+    synchronous) the copy-out is over by the first hook, which then frees it all.
+    `offload_at_start`: the masters leave at start-up, as the Megatron wiring has them."""
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
-                       max_memory_allocated=mem.max_allocated)
+                       max_memory_allocated=mem.max_allocated, state_fraction=state_fraction)
     coord.add_optimizer(opt)
+    if offload_at_start:
+        coord.offload_existing_state()
     if copies_running:
         coord.streams.record = lambda stream: _FinishedCopy(False)
     for step in range(2):
@@ -642,16 +646,9 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
     kw = dict(loss_transient=10_000)  # (a peak after the last hook: P is more than the sampled growth)
 
     def run(lasting, fraction=1.0):
-        ref, opt = FakeDistOpt(), FakeDistOpt()
-        ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
-        coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated, max_memory_allocated=mem.max_allocated,
-                           state_fraction=fraction)
-        coord.add_optimizer(opt)
-        coord.offload_existing_state()  # (the masters, as the Megatron wiring does at start-up)
-        coord.streams.record = lambda stream: _FinishedCopy(False)  # every copy-out still running at the frees
-        for step in range(2):
-            simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, lasting_layer_bytes=lasting, **kw)
-            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, lasting_layer_bytes=lasting, **kw)
+        ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=True,
+                                                       offload_at_start=True, state_fraction=fraction,
+                                                       lasting_layer_bytes=lasting, **kw)
         ref_mem.max = mem.max = 0
         traces = []
         for step in range(2, 5):
