@@ -80,6 +80,10 @@ MODIFIERS = {
     # Memory the first iteration keeps for good stays counted as activation growth in P and the
     # profile (OffloadConfig.forget_lasting_growth off: the behaviour before that rule).
     "keepprofile": {"MEGATRON_OFFLOAD_FORGET_LASTING": "0"},
+    # The iteration that learns the profile again (all chunks freed at its first hook) may release
+    # before its fallback reload, as one that began with them all off
+    # (OffloadConfig.release_after_relearning).
+    "relrel": {"MEGATRON_OFFLOAD_RELEASE_AFTER_RELEARN": "1"},
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
@@ -249,6 +253,13 @@ def reload_starts_text(result):
         f"{i}:{'?' if p is None else p}" for i, p in starts)
 
 
+def relearned_text(result):
+    """How often rank 0 learned the growth profile again, and the lasting growth behind it."""
+    times = (result.get("profile_relearned") or [None])[0]
+    grown = (result.get("profile_relearned_bytes") or [None])[0]
+    return f"{times} times" + (f" ({grown / 2**30:.2f} GiB kept for good)" if times and grown is not None else "")
+
+
 def workspace_text(result):
     """Rank 0's backward workspace: the largest interval, and each interval by the backward hook
     position that began it, the loss and output layer's (the forward's module count) first."""
@@ -351,6 +362,7 @@ def summarize(run, warmup):
         "reloads_deferred_for_fit": [r.get("reloads_deferred_for_fit") for r in ranks],
         "reloads_deferred_for_position": [r.get("reloads_deferred_for_position") for r in ranks],
         "profile_relearned": [r.get("profile_relearned") for r in ranks],
+        "profile_relearned_bytes": [r.get("profile_relearned_bytes") for r in ranks],
         "reload_starts": ranks[0].get("reload_starts"),
         "backward_workspace_mib": [(r.get("backward_workspace") or 0) / 2**20 for r in ranks],
         "workspace_by_position_mib": {k: v / 2**20 for k, v in (ranks[0].get("workspace_by_position") or {}).items()},
@@ -782,7 +794,7 @@ def report(results, ceilings):
                   f"{(r.get('fit_skips') or [None])[0]} answered by the counters), reloads deferred "
                   f"for fit {r['reloads_deferred_for_fit'][0]} ({workspace_text(r)}), chunks held back by the position rule "
                   f"{(r.get('reloads_deferred_for_position') or [None])[0]} (once per hook); growth profile learned "
-                  f"again {(r.get('profile_relearned') or [None])[0]} times; {reload_starts_text(r)}; "
+                  f"again {relearned_text(r)}; {reload_starts_text(r)}; "
                   f"cached-memory releases {r['cache_releases'][0]} "
                   f"({r['cache_release_ms'][0] or 0:.0f} ms host in all); host waits at frees "
                   f"{(r.get('free_host_wait_ms') or [0])[0] or 0:.0f} ms in all; host-lead waits "

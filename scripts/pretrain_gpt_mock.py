@@ -411,6 +411,7 @@ DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_FALLBACK_RELEASE": ("release_before_unfitted_reload", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_FALLBACK_RELEASE_ALL": ("fallback_release_every_iteration", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_FORGET_LASTING": ("forget_lasting_growth", lambda v: v != "0"),
+    "MEGATRON_OFFLOAD_RELEASE_AFTER_RELEARN": ("release_after_relearning", lambda v: v != "0"),
     # "run": the calibration under the run's own bound; a number: that many layers.
     "MEGATRON_OFFLOAD_CAL_HOST_LEAD": ("calibration_host_lead_layers", lambda v: None if v == "run" else int(v)),
     "MEGATRON_OFFLOAD_CAL_CAP": ("second_calibration_capped", lambda v: v != "0"),
@@ -852,6 +853,7 @@ class Recorder:
                     # first forwards that found memory kept for good since the last sample
                     # (MemoryPolicy._forget_lasting_growth)
                     "profile_relearned": coord.profile_relearned,
+                    "profile_relearned_bytes": coord.profile_relearned_bytes,
                     # (iterations done, backward position of the iteration's first reload; -1: fallback;
                     # None: unknown, inside a recomputation)
                     "reload_starts": list(coord.reload_starts),

@@ -633,7 +633,7 @@ def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys
                           "iterations": 4},
              "growth_profile": [2 << 20], "peak_growth": 4 << 20,
              "reload_starts": [[1, 23], [2, 21], [3, -1], [4, None]], "reloads_deferred_for_position": 17,
-             "profile_relearned": 1,
+             "profile_relearned": 1, "profile_relearned_bytes": 3 << 29,
              "backward_workspace": 3 << 20, "workspace_by_position": {"0": 1 << 20, "2": 3 << 20, "1": 2 << 20}}
     rank1 = {"iterations": [it([0.0, 0.0])] * 4, "growth_profile": [9 << 20], "peak_growth": 9 << 20,
              "reload_starts": [[1, 5]], "reloads_deferred_for_position": 3}
@@ -647,12 +647,13 @@ def test_summarize_and_report_carry_rank_0s_waits_of_the_timed_iterations(capsys
     assert ("exposed waits per iteration: before free 3.0 ms, before step 6.0 ms over the timed iterations "
             "(whole run 49.0 / 18.0)") in out
     assert "(backward workspace 3 MiB (by position: 2:3, 1:2, 0:1)), chunks held back" in out
-    assert ("chunks held back by the position rule 17 (once per hook); growth profile learned again 1 times; "
-            "first reload per iteration at backward "
+    assert ("chunks held back by the position rule 17 (once per hook); growth profile learned again 1 times "
+            "(1.50 GiB kept for good); first reload per iteration at backward "
             "position 1:23, 2:21, 3:-1, 4:?;") in out
-    del r["reload_starts"]
+    del r["reload_starts"], r["profile_relearned_bytes"]  # (records before either was kept)
     benchmark.report({"offload": r}, {"d2h_gbps": 55.0, "h2d_gbps": 55.0})
-    assert "first reload per iteration: not recorded" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "first reload per iteration: not recorded" in out and "learned again 1 times; first" in out
 
 
 def test_the_benchmark_times_iterations_start_to_start_where_the_records_allow():
@@ -732,7 +733,8 @@ def test_the_calibrations_bound_has_a_benchmark_modifier_the_mock_understands():
     assert field == "second_calibration_capped" and parse(value) is False and parse("1") is True
     assert field in {f.name for f in dataclasses.fields(OffloadConfig)}
     for modifier, field, off in (("wsmax", "workspace_by_position", False), ("nows", "keep_backward_workspace", False),
-                                 ("keepprofile", "forget_lasting_growth", False)):
+                                 ("keepprofile", "forget_lasting_growth", False),
+                                 ("relrel", "release_after_relearning", True)):
         (var, value), = benchmark.MODIFIERS[modifier].items()
         assert pretrain_gpt_mock.DIAGNOSTIC_ENV[var][0] == field and pretrain_gpt_mock.DIAGNOSTIC_ENV[var][1](value) is off
 
