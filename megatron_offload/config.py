@@ -84,10 +84,6 @@ class OffloadConfig:
     # the benchmark's @fbrelall; whether the hand-back pays where activations cut the chunks' holes
     # in later iterations too).
     fallback_release_every_iteration: bool = False
-    # ... also in an iteration whose first forward learned the profile again, and so freed every chunk
-    # at its first hook (MemoryPolicy._forget_lasting_growth): its activations, too, were laid out
-    # with no chunk among them (the benchmark's @relrel).
-    release_after_relearning: bool = False
     # Memory kept for good since the latest sample lowers P and the profile is learned again
     # (MemoryPolicy._forget_lasting_growth; False: the benchmark's @keepprofile).
     forget_lasting_growth: bool = True

@@ -182,8 +182,7 @@ class OffloadCoordinator(Registration, MemoryPolicy, ReloadPolicy, CacheRelease,
         # Sample how this forward's activations grow while there is something left to free (or
         # nothing is known yet); the sample's `freed` counts what leaves from here on.
         sampling = bool(self._chunks(ChunkState.COPYING_OUT)) or self.peak_growth is None
-        if self._forget_lasting_growth(sampling) and self.config.release_after_relearning:
-            it.began_offloaded = True  # (this forward frees every chunk at its first hook)
+        self._forget_lasting_growth(sampling)
         if sampling:
             it.sample = ForwardSample(allocated_at_start=self._allocated(), max_allocated_at_start=self._max_allocated(),
                                       freed_at_first_hook=self.peak_growth is None)

@@ -80,8 +80,7 @@ class IterationRecord:
     latest_out: int = 0
     step_budget: int = 0
     # The first training forward found every chunk off the GPU (start-up, after an evaluation or
-    # offload_all; with `release_after_relearning`, or freed them all at its first hook to learn
-    # the profile again): its activations were laid out with no chunk among them (_room_for_fallback).
+    # offload_all): its activations were laid out with no chunk among them (_room_for_fallback).
     began_offloaded: bool = False
 
     def move_to(self, new: IterationState) -> None:

@@ -38,7 +38,7 @@ class MemoryPolicy:
         self.profile_relearned = 0
         self.profile_relearned_bytes = 0  # the lasting growth those times, summed
 
-    def _forget_lasting_growth(self, sampling: bool) -> bool:
+    def _forget_lasting_growth(self, sampling: bool) -> None:
         """At the iteration's first forward, before it samples (`sampling`): if memory other than
         the state (`_base_bytes`) grew by more than a chunk slot since the latest sampled forward
         began, that growth stayed allocated, yet that sample counted it as activation growth.
@@ -59,8 +59,7 @@ class MemoryPolicy:
         chunks, freed there, come back only at the end of the backward (their reload position is
         the first layer). Growth below one chunk slot (or the margin) is left alone: the frees
         move a chunk at a time. The base is taken as seen whenever the rule fires, sampling or
-        not, so that one growth counts once. Returns whether it fired. See [Note: lasting growth]
-        in docs/design.md."""
+        not, so that one growth counts once. See [Note: lasting growth] in docs/design.md."""
         base = self._base_bytes()
         grown = base - self._sampled_base if self._sampled_base is not None else 0
         fires = (self.config.forget_lasting_growth and self.peak_growth is not None
@@ -74,7 +73,6 @@ class MemoryPolicy:
             self._trace("profile_relearned")
         if fires or sampling:
             self._sampled_base = base
-        return fires
 
     def _base_bytes(self) -> int:
         """Allocated bytes other than the optimizer state: less the chunk buffers on the GPU and

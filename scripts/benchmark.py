@@ -80,10 +80,6 @@ MODIFIERS = {
     # Memory the first iteration keeps for good stays counted as activation growth in P and the
     # profile (OffloadConfig.forget_lasting_growth off: the behaviour before that rule).
     "keepprofile": {"MEGATRON_OFFLOAD_FORGET_LASTING": "0"},
-    # The iteration that learns the profile again (all chunks freed at its first hook) may release
-    # before its fallback reload, as one that began with them all off
-    # (OffloadConfig.release_after_relearning).
-    "relrel": {"MEGATRON_OFFLOAD_RELEASE_AFTER_RELEARN": "1"},
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
