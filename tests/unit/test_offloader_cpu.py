@@ -671,7 +671,8 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
     # With a fraction, the base leaves out the kept chunks' buffers (`run` checks it against the
     # simulated memory); the lasting growth is still seen, once.
     half, _ = run(lasting, fraction=0.5)
-    assert half.profile_relearned == 1 and sum(off.kept_bytes for off in half.offloaders) > 2 * margin
+    assert half.profile_relearned == 1 and half.profile_relearned_bytes == LAYERS * lasting
+    assert sum(off.kept_bytes for off in half.offloaders) > 2 * margin
 
 
 def test_memory_kept_for_good_counts_once_where_no_forward_samples_after_it():
@@ -687,7 +688,7 @@ def test_memory_kept_for_good_counts_once_where_no_forward_samples_after_it():
     for step in range(5):
         simulated_iteration(opt, coord, mem, step, 40_000, 30_000, lasting_layer_bytes=20_000)
     assert not coord._chunks(*ChunkState) and coord.peak_growth is not None
-    assert coord.profile_relearned == 1
+    assert coord.profile_relearned == 1 and coord.profile_relearned_bytes == LAYERS * 20_000
 
 def test_a_peak_between_the_last_layer_and_the_forward_end_finds_the_state_off():
     """The functional model on 2 x H200: after the last pacing hook (the output layer) the loss
