@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import resource
+import time
 from typing import Callable, List, Optional
 
 import torch
@@ -158,6 +159,8 @@ class SaveSnapshots:
         self._check_fds = check_fds
         self._threads = threads
         self._warned = False
+        self.collections = 0  # garbage collections `take` ran to free a set, and their host time
+        self.collect_seconds = 0.0
 
     @staticmethod
     def selects(tensor: torch.Tensor) -> bool:
@@ -201,7 +204,10 @@ class SaveSnapshots:
             # Why: a finalized save's request can stay alive in a reference cycle of the save path
             # until the garbage collector runs (megatron-core 0.19 with torch 2.8): one collection
             # costs less than a new set's pages, or than the views' copies.
+            started = time.perf_counter()
             gc.collect()
+            self.collections += 1
+            self.collect_seconds += time.perf_counter() - started
             chosen = self._free_set(layout)
         if chosen is None:
             # Sets of another layout (the state was re-packed) are dropped once free.

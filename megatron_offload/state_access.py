@@ -77,6 +77,11 @@ class StateAccess:
         return sum(off.snapshots.nbytes for off in self.offloaders)
 
     @property
+    def snapshot_collect_seconds(self) -> float:
+        """Host time of the garbage collections snapshot takes ran to free a set, in all."""
+        return sum(off.snapshots.collect_seconds for off in self.offloaders)
+
+    @property
     def open_state_accesses(self) -> tuple:
         """The state accesses in progress (`before_state_access` without its
         `after_state_access` yet), outermost first, as (offloader, `state_access.Access`) pairs.

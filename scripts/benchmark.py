@@ -825,7 +825,10 @@ def report(results, ceilings):
             notes.append(gap_text)
         if r.get("saves"):
             notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
-                f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s, GPU "
+                f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s"
+                + (f" of which a garbage collection {sv['plugin_collect_seconds']:.2f} s"
+                   if sv.get("plugin_collect_seconds") else "")
+                + f", GPU "
                 f"{(sv['max_allocated'] - sv['allocated_before']) / 2**20:+.0f} MiB, snapshots "
                 f"{sv.get('snapshot_bytes', 0) / 2**30:.2f} GiB of host memory)" for sv in r["saves"]))
     for name, r in results.items():

@@ -212,6 +212,11 @@ def _snapshot_bytes():
     return _from_coordinator(lambda coord: coord.snapshot_bytes)
 
 
+def _snapshot_collect_seconds():
+    """megatron-offload's host time in garbage collections that freed a snapshot set, so far."""
+    return _from_coordinator(lambda coord: coord.snapshot_collect_seconds, 0.0)
+
+
 def _host_read_seconds():
     """megatron-offload's host time preparing host reads so far."""
     return _from_coordinator(lambda coord: coord.host_read_seconds, 0.0)
@@ -684,7 +689,7 @@ class Recorder:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             off_gpu = _offloaded_bytes_now()
-            prep = _host_read_seconds()
+            prep, collected = _host_read_seconds(), _snapshot_collect_seconds()
             t0 = time.perf_counter()
             with _save_parts() as parts:
                 out = save_checkpoint(*a, **k)
@@ -694,6 +699,8 @@ class Recorder:
                                "seconds": seconds,
                                # of which the plugin's preparation of host reads (send-out, snapshots)
                                "plugin_seconds": _host_read_seconds() - prep,
+                               # ... of which garbage collections that freed a snapshot set
+                               "plugin_collect_seconds": _snapshot_collect_seconds() - collected,
                                "snapshot_bytes": _snapshot_bytes(),  # shared memory for async saves, after it
                                "max_reserved": torch.cuda.max_memory_reserved(),
                                "offloaded_before": off_gpu,  # state bytes off the GPU when the save began

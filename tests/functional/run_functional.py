@@ -358,7 +358,9 @@ def main(argv=None):
                 forms = ", ".join(f"{k} {v['count']} ({v['bytes'] / 2**20:.0f} MiB)" for k, v in parts.get("forms", {}).items())
                 print(f"{name} save after iteration {sv.get('after_iteration')}: {sv['seconds']:.3f} s = state dict "
                       f"{parts['state_dict_s']:.3f} + dist save {parts['dist_save_s']:.3f} + schedule "
-                      f"{parts['schedule_s']:.3f} + other; plugin {sv.get('plugin_seconds', 0):.3f}; tensors: {forms}")
+                      f"{parts['schedule_s']:.3f} + other; plugin {sv.get('plugin_seconds', 0):.3f}"
+                      + (f" (garbage collection {sv['plugin_collect_seconds']:.3f})" if sv.get("plugin_collect_seconds") else "")
+                      + f"; tensors: {forms}")
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")
     with open(os.path.join(opts.out, "functional_summary.json"), "w") as f:

@@ -215,9 +215,12 @@ def test_benchmark_reports_each_checkpoint_save(capsys):
                 "offloaded_gib": [0.5], "pinned_gib": [0.5], "losses": ["0x1p+0"], "saves": saves}
 
     report({"baseline": variant([]), "offload": variant([
-        {"seconds": 0.21, "plugin_seconds": 0.05, "allocated_before": 10 * MiB, "max_allocated": 10 * MiB}])}, None)
+        {"seconds": 0.21, "plugin_seconds": 0.05, "allocated_before": 10 * MiB, "max_allocated": 10 * MiB},
+        {"seconds": 0.26, "plugin_seconds": 0.09, "plugin_collect_seconds": 0.03, "allocated_before": 10 * MiB,
+         "max_allocated": 10 * MiB}])}, None)
     out = capsys.readouterr().out
-    assert "offload: checkpoint saves blocked the loop 0.21 s (plugin 0.05 s, GPU +0 MiB, snapshots 0.00 GiB" in out
+    assert ("offload: checkpoint saves blocked the loop 0.21 s (plugin 0.05 s, GPU +0 MiB, snapshots 0.00 GiB of host "
+            "memory), 0.26 s (plugin 0.09 s of which a garbage collection 0.03 s, GPU +0 MiB") in out
     assert "baseline: checkpoint saves" not in out
 
 

@@ -2,6 +2,7 @@
 its own shared storage holding its source's bytes; a set is reused only once nothing else holds it;
 a set still held by a pending save is never rewritten."""
 
+import gc
 import logging
 
 import pytest
@@ -81,6 +82,29 @@ def test_a_free_set_is_reused_and_a_held_one_is_never_rewritten(caplog):
     del held
     third = snaps.take(sources(3))
     assert [t.data_ptr() for t in third] == ptrs and all(torch.equal(t, s) for t, s in zip(third, sources(3)))
+
+
+def test_a_set_held_only_by_a_reference_cycle_is_reused_after_one_collection():
+    """A finalized save's request can stay alive in a reference cycle until the garbage collector
+    runs: `take` collects once rather than make a second set, and counts the collection's time."""
+    snaps = SaveSnapshots(check=lambda n: None)
+    enabled = gc.isenabled()
+    gc.disable()  # (no automatic collection may free the cycle first)
+    try:
+        first = snaps.take(sources(0))
+        ptrs = [t.data_ptr() for t in first]
+        request = {"tensors": [t.detach() for t in first]}  # (what a save keeps: its own tensors)
+        request["self"] = request  # the finalized request, in a cycle
+        del first, request
+        again = snaps.take(sources(1))
+        assert [t.data_ptr() for t in again] == ptrs and len(snaps._sets) == 1
+        assert snaps.collections == 1 and snaps.collect_seconds > 0
+        del again  # freed at once: no collection
+        snaps.take(sources(2))
+        assert snaps.collections == 1
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_a_new_layout_gets_a_new_set_and_the_old_one_goes():
