@@ -79,7 +79,7 @@ class StateAccess:
     @property
     def snapshot_collect_seconds(self) -> float:
         """Host time of the garbage collections snapshot takes ran to free a set, in all."""
-        return sum(off.snapshots.collect_seconds for off in self.offloaders)
+        return sum((off.snapshots.collect_seconds for off in self.offloaders), 0.0)
 
     @property
     def open_state_accesses(self) -> tuple:

@@ -902,6 +902,8 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
         del got, value
     # Each reader let go of its set before the next save: no save had to collect garbage for one.
     assert coord.snapshot_collect_seconds == 0.0 and off.snapshots.collections == 0
+    off.snapshots.collect_seconds = 0.25  # (the coordinator sums its offloaders' snapshot collections)
+    assert coord.snapshot_collect_seconds == 0.25
     coord.close()
     assert "get_unscaled_state" not in opt.optimizer.__dict__
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
