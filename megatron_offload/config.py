@@ -62,6 +62,10 @@ class OffloadConfig:
     # ... through megatron-core's own strategy, whose queue keeps a save's request until its write is
     # finalized: large tensors are read from shared-memory snapshots (save_snapshot.py)
     async_save_snapshots: bool = False
+    # ... filled in the background, every state tensor, shared by file name: whoever hands them to
+    # the writer makes it wait for the fill (megatron_wiring does, for megatron-core's queue; see
+    # [Note: background fill] in save_snapshot.py)
+    async_save_background_fill: bool = False
     per_step: bool = True  # offload after every step (the flag); False: phase switches only (phase_switch.py)
     # One full garbage collection once setup is over (OffloadCoordinator._collect_setup_garbage);
     # CPU tests that drive many short-lived coordinators turn it off.

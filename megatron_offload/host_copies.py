@@ -69,7 +69,8 @@ class _Served(NamedTuple):
 class HostCopies:
     """Readers and writers on the host copies of offloaded chunks (module docstring)."""
 
-    def expose_host_copies(self, for_async_writer: bool = False, repoint: bool = False) -> int:
+    def expose_host_copies(self, for_async_writer: bool = False, repoint: bool = False,
+                           references_only: bool = False) -> int:
         """Let readers see OFFLOADED state where it is, on the host: point those chunks' tensors
         at their host copies (CPU views of the pinned buffer) instead of bringing them back. A
         checkpoint save then needs no GPU memory and no H2D for them. The tensors stay there
@@ -86,9 +87,14 @@ class HostCopies:
         tensors point at shared-memory snapshots of their host copies instead
         (save_snapshot.SaveSnapshots), which it maps as they are. `repoint` (a writer): chunks
         exposed already point at their host copies again first (below). Readers that unscale
-        TE's fp16 states get host copies of the scales too (`_scales_to_host`)."""
+        TE's fp16 states get host copies of the scales too (`_scales_to_host`).
+        `references_only` (with `for_async_writer` and background snapshots): the reader only
+        collects references, so the copy-out still in flight and the snapshots' fill finish in
+        the background ([Note: background fill] in save_snapshot.py)."""
         offloaded = self.chunks_in(ChunkState.OFFLOADED)
         if repoint:
+            # Why: a writer rewrites the host copies that a background fill may still be reading.
+            self.snapshots.wait_filled()
             # Chunks still exposed to an earlier asynchronous save may point at its snapshots,
             # which its writer may still be reading: a writer (a load, the masters' refresh)
             # writes into the host copies themselves, which are the state, and unscaled
@@ -102,10 +108,16 @@ class HostCopies:
         chunks = [c for c in offloaded if not c.on_host]
         if not chunks:
             return 0
+        background = for_async_writer and references_only and self.snapshots.background
+        copied_out = None
         if self.device.type == "cuda":
             # Why: the host is about to read the copies itself. The compute stream waited for
-            # them before the chunks were freed; the host never did.
-            self.streams.d2h.synchronize()
+            # them before the chunks were freed; the host never did. (A background fill waits
+            # in its own thread, for everything enqueued on the D2H stream until now.)
+            if background:
+                copied_out = self.streams.d2h.record_event().synchronize
+            else:
+                self.streams.d2h.synchronize()
         for chunk in chunks:
             # The scales first: their device copy may fail, before anything points at the host.
             self._scales_to_host(chunk)
@@ -114,8 +126,8 @@ class HostCopies:
             chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
             chunk.on_host = True
-        if for_async_writer:
-            self._point_at_snapshots(chunks)
+        if for_async_writer and not self._point_at_snapshots(chunks, copied_out if background else None) and copied_out:
+            copied_out()  # (no free set: the writer gets views of the host copies, read at once)
         return len(chunks)
 
     def prepare_snapshots(self) -> bool:
@@ -124,9 +136,10 @@ class HostCopies:
         return self.snapshots.prepare([st.tensor for c in self.chunks for st in c.tensors
                                        if self.snapshots.selects(st.tensor)], self._unscaled_layout())
 
-    def _point_at_snapshots(self, chunks) -> None:
+    def _point_at_snapshots(self, chunks, copied_out=None) -> bool:
         """The large tensors of `chunks` (pointing at their host copies) point at shared-memory
-        snapshots of them instead, where a set is free or can be made (else they stay views).
+        snapshots of them instead, where a set is free or can be made (else they stay views:
+        returns False). `copied_out`: with background snapshots, what the fill waits for first.
 
         TE's fp16 and bf16 states are never read as they are: every reader asks
         `get_unscaled_state`, which makes a private fp32 tensor of each on the host (the writer's
@@ -136,12 +149,13 @@ class HostCopies:
         inner = getattr(self.dist_opt, "optimizer", None)
         large = [(c, st) for c in chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
         as_fp32 = [_as_fp32(inner, st) for _, st in large]
-        copies = self.snapshots.take([st.tensor.data for _, st in large], as_fp32) if large else None
+        copies = self.snapshots.take([st.tensor.data for _, st in large], as_fp32, before=copied_out) if large else None
         for (chunk, st), copy, fp32 in zip(large, copies or [], as_fp32):
             if fp32 is None:
                 st.tensor.data = copy
             else:
                 self._serve_unscaled(chunk, st, copy, fp32)
+        return copies is not None
 
     def _unscaled_layout(self) -> list:
         """Which of the tensors `prepare_snapshots` lists `_point_at_snapshots` will serve as fp32."""
@@ -163,6 +177,10 @@ class HostCopies:
                 found = served.get((id(param), state_name))
                 if found is not None and found.current(inner, param, *a, **k):
                     return found.alias
+                if getattr(inner, "name_to_dtype_map", {}).get(state_name) != torch.float32:
+                    # Why: TE converts 16-bit states on the host, reading a host copy or snapshot
+                    # that a background fill may not have finished (fp32 ones it returns as they are).
+                    self.snapshots.wait_filled()
                 return original(param, state_name, *a, **k)
 
             get_unscaled_state.megatron_offload_original = inner.__dict__.get("get_unscaled_state")

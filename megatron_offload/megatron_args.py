@@ -254,6 +254,7 @@ def host_lead_for_survivors(args) -> int:
 def config_from_args(args) -> OffloadConfig:
     """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
     auto = args.offload_state_fraction == AUTO
+    snapshots = bool(getattr(args, "async_save", False)) and getattr(args, "async_strategy", "mcore") == "mcore"
     return dataclasses.replace(OffloadConfig(
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
         margin_bytes=args.offload_memory_margin_mb * 2**20,
@@ -273,6 +274,7 @@ def config_from_args(args) -> OffloadConfig:
         async_saves=bool(getattr(args, "async_save", False)),
         # Snapshots rely on the request's lifetime in megatron-core's own queue (`mcore`); other
         # strategies (nvidia-resiliency-ext's) read the views, which the writer copies.
-        async_save_snapshots=bool(getattr(args, "async_save", False))
-        and getattr(args, "async_strategy", "mcore") == "mcore",
+        async_save_snapshots=snapshots,
+        # ... whose requests megatron_wiring makes wait for their snapshots (filled meanwhile).
+        async_save_background_fill=snapshots,
     ), **DIAGNOSTICS)

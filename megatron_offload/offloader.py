@@ -170,6 +170,9 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
                 chunk.ready = None
         if not stale:
             return
+        # Why: these copies rewrite host copies that the background fill of an asynchronous
+        # save's snapshots may still be reading (save_snapshot.py).
+        self.snapshots.wait_filled()
         if self.feeder is not None:
             for chunk in stale:
                 chunk.move_to(ChunkState.COPYING_OUT)

@@ -72,6 +72,7 @@ class Registration:
                                       copy_piece_bytes=self.config.copy_piece_bytes, fraction=self.state_fraction,
                                       by_parameter=self.config.chunked_step, uniform_slots=self.config.per_step)
         off.snapshots.enabled = self.config.async_save_snapshots
+        off.snapshots.background = self.config.async_save_snapshots and self.config.async_save_background_fill
         off.feeder = self.feeder
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)

@@ -20,17 +20,37 @@ fp32 values `get_unscaled_state` returns, see host_copies.py), in shared memory 
 against the node's MemAvailable) for as long as training runs; a second set is made only when a
 save finds the first still held by one writing (so up to twice those bytes, kept once made). Where neither fits (`check`), the save falls back to the
 buffer's views, which the writer copies itself.
+
+[Note: background fill]
+With `background` (megatron_wiring sets it for megatron-core's own strategy) `take` returns at
+once and the copy runs in a thread of its own, after the copy-out it reads has finished (`before`):
+training goes on through the rest of the save while the set fills. Everything that reads a set
+waits for its fill first:
+* the checkpoint writer: megatron_wiring hands the writer's function to megatron-core wrapped in
+  `writer_waits`, which polls the fill's flag (a shared-memory byte) in the writer's process;
+* readers in this process that read values rather than take references (a gather of the state,
+  TE's unscaling of 16-bit states, a copy of a view of a snapshot): `wait_filled`, called by
+  their wrappers (state_access.py, host_copies.py, megatron_wiring);
+* anything that rewrites or frees what a fill reads (the next copy-out into the pinned buffer, a
+  load into it, a re-pack, `close`): `wait_filled` too.
+In this mode every state tensor gets a snapshot (small ones too: a view would be cloned, a
+read, by dist-checkpointing before the request is scheduled), and sets are shared by file name
+(torch's `file_system` strategy, which `handed_over_by_name` selects while a request is handed
+to the writer's process): such a storage crosses to it by name, not as a file descriptor that
+the writer fetches over a socket of its own, tensor by tensor.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import logging
 import math
 import os
 import resource
+import threading
 import time
 from typing import Callable, List, Optional
 
@@ -51,6 +71,10 @@ COPY_PIECE_BYTES = 64 << 20
 COPY_THREADS = 8
 # File descriptors left to everything else when sets are made (each snapshot keeps one open).
 FD_MARGIN = 512
+# The writer's wait for a background fill (`writer_waits`): poll interval, and how long it waits
+# before it writes anyway (the training process then refuses to finalize the save: `Fill.wait`).
+FILL_POLL_S = 0.001
+FILL_TIMEOUT_S = 600.0
 
 
 # References to a storage (tensors and storage objects); None where torch does not expose it.
@@ -123,12 +147,20 @@ def _layout(likes: List[torch.Tensor], unscaled: Optional[List[bool]] = None) ->
     return [(t.shape, torch.float32 if u else t.dtype) for t, u in zip(likes, unscaled)]
 
 
+def _shared(tensor: torch.Tensor, by_name: bool) -> torch.Tensor:
+    """`tensor` moved into shared memory (its pages faulted in now): by file name (torch's
+    `file_system` strategy) or as the current strategy shares it."""
+    if by_name:
+        tensor.untyped_storage()._share_filename_cpu_()
+        return tensor
+    return tensor.share_memory_()
+
+
 class _Set:
     """One snapshot per large tensor of a save, in the order the save's tensors were listed."""
 
-    def __init__(self, layout: list):
-        self.tensors = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout]
-        # (share_memory_ copies the new pages into shared memory: every page is faulted in now)
+    def __init__(self, layout: list, by_name: bool = False):
+        self.tensors = [_shared(torch.empty(shape, dtype=dtype), by_name) for shape, dtype in layout]
         self._own = [_use_count(t) for t in self.tensors]
         self.layout = layout
 
@@ -147,6 +179,103 @@ def _fill(dst: torch.Tensor, src: torch.Tensor, scale: Optional[torch.Tensor]) -
         dst.mul_(scale)  # (TE's `unscaled.mul_(scale)`)
 
 
+def _fill_pieces(pieces: list, threads: int) -> None:
+    if threads <= 1 or len(pieces) <= 1:
+        for piece in pieces:
+            _fill(*piece)
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(threads, len(pieces))) as pool:
+        list(pool.map(lambda piece: _fill(*piece), pieces))
+
+
+class Fill:
+    """One set's copy running in a thread of its own (`SaveSnapshots.take` with `background`).
+    `flag` is two shared-memory bytes: the first, which the writer's process polls
+    (`writer_waits`), 0 while copying, 1 once every byte is in the set, -1 if the copy failed; the
+    second set by a writer that stopped waiting (FILL_TIMEOUT_S)."""
+
+    def __init__(self, targets: List[torch.Tensor], pieces: list, threads: int,
+                 before: Optional[Callable[[], None]]):
+        self.storages = frozenset(t.untyped_storage().data_ptr() for t in targets)
+        self.flag = _shared(torch.zeros(2, dtype=torch.int8), by_name=True)
+        self.error: Optional[BaseException] = None
+        self._pieces = pieces
+        self._thread = threading.Thread(target=self._run, args=(threads, before), daemon=True,
+                                        name="megatron-offload-snapshot-fill")
+        self._thread.start()
+
+    def _run(self, threads: int, before) -> None:
+        try:
+            if before is not None:
+                before()
+            _fill_pieces(self._pieces, threads)
+            # (The writer reads the set in threads it starts after seeing the flag.)
+            self.flag[0] = 1
+        except BaseException as err:  # noqa: BLE001  (reported by `wait`, in the training process)
+            self.error = err
+            self.flag[0] = -1
+        finally:
+            self._pieces = None  # (views of the set: it counts as free again once a save lets go)
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the copy has finished; raise if it failed (the set's bytes are not the state's)."""
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"megatron-offload: filling an asynchronous save's snapshots failed: "
+                               f"{self.error!r}; the save must not be used") from self.error
+
+    def check_written(self) -> None:
+        """After the writer has run: raise if it may have written the set before it was filled."""
+        self.wait()
+        if int(self.flag[1]) != 0:
+            raise RuntimeError(
+                f"megatron-offload: the checkpoint writer stopped waiting for an asynchronous save's "
+                f"snapshots after {FILL_TIMEOUT_S:.0f} s and wrote them as they were; the save must not be used")
+
+
+def writer_waits(flags: List[torch.Tensor], write: Callable, *args, **kwargs):
+    """Call `write(*args, **kwargs)` once every flag is set (`Fill.flag`): run in the checkpoint
+    writer's process, as the writer's function (megatron_wiring wraps megatron-core's request in
+    it). Never raises for a failed or late fill (that would end megatron-core's worker loop, and a
+    blocking finalize would wait for ever): it writes after FILL_TIMEOUT_S anyway, and the
+    training process refuses to finalize that save (`Fill.wait` in its finalize functions)."""
+    deadline = time.monotonic() + FILL_TIMEOUT_S
+    for flag in flags:
+        while int(flag[0]) == 0:
+            if time.monotonic() > deadline:
+                flag[1] = 1
+                break
+            time.sleep(FILL_POLL_S)
+    return write(*args, **kwargs)
+
+
+def check_written(fills: List[Fill]) -> None:
+    """A finalize function of a save whose writer waited for `fills`: raise before the save is
+    finalized if any fill failed or the writer stopped waiting (`Fill.check_written`)."""
+    for fill in fills:
+        fill.check_written()
+
+
+@contextlib.contextmanager
+def handed_over_by_name():
+    """Within it torch pickles CPU storages by file name (its `file_system` strategy), as the
+    sets of background mode are shared: a request scheduled inside crosses to the writer's
+    process without a file descriptor per tensor. (Pickled under the other strategy such a
+    storage would first be copied into new shared memory.) Process-wide while it lasts."""
+    import torch.multiprocessing as mp
+
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(previous)
+
+
 class SaveSnapshots:
     """Reusable shared-memory snapshots (module docstring). Before a set is made, `check` is
     called with its bytes and `check_fds` with its number of files (tests fake the machine)."""
@@ -154,6 +283,11 @@ class SaveSnapshots:
     def __init__(self, check: Callable[[int], None] = check_room, threads: int = COPY_THREADS,
                  check_fds: Callable[[int], None] = check_descriptors):
         self.enabled = False  # the owner prepares a set for each layout it packs (`prepare`)
+        # Fill in the background, every tensor, sets shared by name ([Note: background fill]);
+        # set by the owner before any set is made.
+        self.background = False
+        self._fills: List[Fill] = []  # background fills not known to be finished
+        self._unclaimed: List[Fill] = []  # ... not yet handed to a writer (`claim_fills`)
         self._sets: List[_Set] = []
         self._check = check
         self._check_fds = check_fds
@@ -162,10 +296,10 @@ class SaveSnapshots:
         self.collections = 0  # garbage collections `take` ran to free a set, and their host time
         self.collect_seconds = 0.0
 
-    @staticmethod
-    def selects(tensor: torch.Tensor) -> bool:
+    def selects(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` gets a snapshot (else the save reads the buffer's view)."""
-        return tensor.numel() * tensor.element_size() >= MIN_SNAPSHOT_BYTES
+        nbytes = tensor.numel() * tensor.element_size()
+        return nbytes > 0 if self.background else nbytes >= MIN_SNAPSHOT_BYTES
 
     @property
     def nbytes(self) -> int:
@@ -186,14 +320,16 @@ class SaveSnapshots:
             return False
         return self._new_set(layout) is not None
 
-    def take(self, sources: List[torch.Tensor],
-             as_fp32: Optional[List[Optional[Fp32]]] = None) -> Optional[List[torch.Tensor]]:
+    def take(self, sources: List[torch.Tensor], as_fp32: Optional[List[Optional[Fp32]]] = None,
+             before: Optional[Callable[[], None]] = None) -> Optional[List[torch.Tensor]]:
         """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
         free set (made if none is free and fewer than MAX_SETS exist). A source with an `Fp32`
         entry in `as_fp32` is served as fp32 instead: Transformer Engine's `get_unscaled_state`
         computed piece by piece (the same conversion and the same fp32 multiply per element, so
         the same bits). None if no set is free and none can be made: the caller hands out the
-        sources themselves."""
+        sources themselves. `before` (the copy-out the sources wait for) runs first; with
+        `background` both run in a thread and the copies are valid only once it has finished
+        ([Note: background fill])."""
         if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
             self._warn("this torch does not expose storage reference counts")
             return None
@@ -220,19 +356,53 @@ class SaveSnapshots:
                 return None
         else:
             try:  # (a reused set's save duplicates its descriptors again)
-                self._check_fds(len(sources))
+                self._check_fds(0 if self.background else len(sources))
             except host_memory.HostMemoryError as err:
                 self._warn(str(err))
                 return None
-        self._copy(chosen.tensors, sources, as_fp32)
+        pieces = self._pieces(chosen.tensors, sources, as_fp32)
+        if self.background:
+            fill = Fill(chosen.tensors, pieces, self._threads, before)
+            self._fills.append(fill)
+            self._unclaimed.append(fill)
+        else:
+            if before is not None:
+                before()
+            _fill_pieces(pieces, self._threads)
         return list(chosen.tensors)
+
+    def wait_filled(self) -> None:
+        """Block until every background fill has finished (raise if one failed): before anything
+        reads a set's values in this process, or rewrites or frees what a fill reads."""
+        fills, self._fills = self._fills, []
+        failed = []
+        for fill in fills:
+            try:
+                fill.wait()
+            except RuntimeError as err:
+                failed.append(err)
+        if failed:
+            raise failed[0]
+
+    def claim_fills(self) -> List[Fill]:
+        """The background fills not yet handed to a writer, handed now (each once)."""
+        self._fills = [f for f in self._fills if not f.done or f.error is not None]
+        claimed, self._unclaimed = self._unclaimed, []
+        return claimed
+
+    def filling(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of a snapshot whose fill may still be running."""
+        if not self._fills or tensor.device.type != "cpu":
+            return False
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(ptr in f.storages and not f.done for f in self._fills)
 
     def _new_set(self, layout: list) -> Optional[_Set]:
         """A new set of `layout`, kept, if the machine has room for it (else None, warned)."""
         try:
             self._check(sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout))
-            self._check_fds(2 * len(layout))
-            made = _Set(layout)
+            self._check_fds(0 if self.background else 2 * len(layout))
+            made = _Set(layout, by_name=self.background)
         except (host_memory.HostMemoryError, RuntimeError) as err:
             self._warn(str(err))
             return None
@@ -242,20 +412,15 @@ class SaveSnapshots:
     def _free_set(self, layout: list) -> Optional[_Set]:
         return next((s for s in self._sets if s.fits(layout) and not s.in_use()), None)
 
-    def _copy(self, targets: List[torch.Tensor], sources: List[torch.Tensor],
-              as_fp32: List[Optional[Fp32]]) -> None:
+    @staticmethod
+    def _pieces(targets: List[torch.Tensor], sources: List[torch.Tensor], as_fp32: List[Optional[Fp32]]) -> list:
         pieces = []
         for dst, src, fp32 in zip(targets, sources, as_fp32):
             scale = fp32.scale if fp32 is not None else None
             d, s = dst.view(-1), src.reshape(-1)
             step = max(1, COPY_PIECE_BYTES // dst.element_size())
             pieces += [(d[i:i + step], s[i:i + step], scale) for i in range(0, d.numel(), step)]
-        if self._threads <= 1 or len(pieces) <= 1:
-            for piece in pieces:
-                _fill(*piece)
-            return
-        with concurrent.futures.ThreadPoolExecutor(min(self._threads, len(pieces))) as pool:
-            list(pool.map(lambda piece: _fill(*piece), pieces))
+        return pieces
 
     def _warn(self, why: str) -> None:
         if not self._warned:
@@ -264,10 +429,13 @@ class SaveSnapshots:
             self._warned = True
 
     def drop_free(self) -> None:
-        """Drop the sets no pending save holds (the layout is about to change)."""
+        """Drop the sets no pending save holds (the layout is about to change, and the pinned
+        buffer the fills read with it)."""
+        self.wait_filled()
         if _STORAGE_USE_COUNT is not None:
             self._sets = [s for s in self._sets if s.in_use()]
 
     def close(self) -> None:
         """Drop every set (their shared memory goes once no pending save holds it)."""
+        self.wait_filled()
         self._sets = []

@@ -30,7 +30,7 @@ class StateAccess:
     back; nested accesses leave the state to the outermost."""
 
     def before_state_access(self, off: OptimizerStateOffloader, will_modify: bool,
-                            host_copies_ok: bool = False) -> None:
+                            host_copies_ok: bool = False, references_only: bool = False) -> None:
         """A reader or writer of `off`'s state outside the step is about to run. Accesses that
         accept CPU tensors (`host_copies_ok`), and any access nested in one, run on the host
         copies (`expose_host_copies`), so that no moment puts the state back on the GPU at once:
@@ -39,6 +39,11 @@ class StateAccess:
         where the optimizer writes in place (`OptimizerStateOffloader.host_writes_supported`).
         Other accesses get the state back.
 
+        `references_only`: the access only collects references to the state tensors (a
+        checkpoint save's `sharded_state_dict`), which an asynchronous save's writer reads later:
+        the snapshots it is given may then fill in the background. Any other access nested in
+        one waits for that fill first ([Note: background fill] in save_snapshot.py).
+
         Exception-safe: the access is recorded only once its preparation succeeded, so a failure
         here (e.g. an out-of-memory reload) leaves no access open; `state_access` pairs it with
         `after_state_access` whatever the access itself raises."""
@@ -46,6 +51,9 @@ class StateAccess:
         # (on the host inside a host access, on the GPU inside a GPU one); siblings (each
         # DistributedOptimizer of a chain) are independent.
         enclosing = [kind for o, kind in self._accesses if o is off]
+        if enclosing and not references_only:
+            # Why: it reads values, perhaps of snapshots an enclosing save is still filling.
+            off.snapshots.wait_filled()
         on_host = (enclosing[-1] is not Access.GPU) if enclosing else host_copies_ok
         if on_host and not will_modify:
             kind = Access.HOST_READ
@@ -58,7 +66,8 @@ class StateAccess:
                 # save without the plugin makes the worker do while training waits), the large
                 # ones from shared-memory snapshots that the worker maps without a copy.
                 self._send_out_now(off)
-            off.expose_host_copies(for_async_writer=self.config.async_save_snapshots and not enclosing)
+            off.expose_host_copies(for_async_writer=self.config.async_save_snapshots and not enclosing,
+                                   references_only=references_only)
             self.host_read_seconds += time.perf_counter() - started
         elif on_host and self.config.host_loads and off.host_writes_supported():
             kind = Access.HOST_WRITE
@@ -75,6 +84,20 @@ class StateAccess:
     def snapshot_bytes(self) -> int:
         """Host bytes held in shared-memory snapshots for asynchronous saves (save_snapshot.py)."""
         return sum(off.snapshots.nbytes for off in self.offloaders)
+
+    def claim_snapshot_fills(self) -> list:
+        """The background snapshot fills (save_snapshot.Fill) not yet handed to a checkpoint
+        writer, handed now: the caller makes the writer wait for them (`save_snapshot.writer_waits`)."""
+        return [fill for off in self.offloaders for fill in off.snapshots.claim_fills()]
+
+    def snapshot_filling(self, tensor) -> bool:
+        """Whether `tensor` is a view of a snapshot whose background fill may still be running."""
+        return any(off.snapshots.filling(tensor) for off in self.offloaders)
+
+    def wait_snapshots_filled(self) -> None:
+        """Block until every background snapshot fill has finished (raise if one failed)."""
+        for off in self.offloaders:
+            off.snapshots.wait_filled()
 
     @property
     def snapshot_collect_seconds(self) -> float:
@@ -101,7 +124,8 @@ class StateAccess:
         return tuple(self._copy_out_due)
 
     @contextlib.contextmanager
-    def state_access(self, offloaders, will_modify: bool, host_copies_ok: bool = False):
+    def state_access(self, offloaders, will_modify: bool, host_copies_ok: bool = False,
+                     references_only: bool = False):
         """`before_state_access` / `after_state_access` around a block, for each of `offloaders`.
         On any exception (in the preparation or the block) every access entered is closed again
         and the original exception propagates; a failure while closing is logged, never raised
@@ -109,7 +133,8 @@ class StateAccess:
         entered = []
         try:
             for off in offloaders:
-                self.before_state_access(off, will_modify=will_modify, host_copies_ok=host_copies_ok)
+                self.before_state_access(off, will_modify=will_modify, host_copies_ok=host_copies_ok,
+                                         references_only=references_only)
                 entered.append(off)
             yield
         except BaseException:

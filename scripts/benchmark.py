@@ -98,6 +98,9 @@ MODIFIERS = {
     # Megatron's own reads after the step (megatron_reads.py off: the model-parallel reductions and
     # train's loss-scale read): each reads the GPU, behind the copy-out in flight.
     "devreads": {"MEGATRON_OFFLOAD_DEVICE_READS": "1"},
+    # An asynchronous save's snapshots filled before the save returns, as before the background
+    # fill (OffloadConfig.async_save_background_fill off; with --async-save).
+    "syncfill": {"MEGATRON_OFFLOAD_BACKGROUND_FILL": "0"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},

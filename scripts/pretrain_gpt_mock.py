@@ -419,6 +419,7 @@ DIAGNOSTIC_ENV = {
     # "run": the calibration under the run's own bound; a number: that many layers.
     "MEGATRON_OFFLOAD_CAL_HOST_LEAD": ("calibration_host_lead_layers", lambda v: None if v == "run" else int(v)),
     "MEGATRON_OFFLOAD_CAL_CAP": ("second_calibration_capped", lambda v: v != "0"),
+    "MEGATRON_OFFLOAD_BACKGROUND_FILL": ("async_save_background_fill", lambda v: v != "0"),
 }
 
 

@@ -167,3 +167,114 @@ def test_megatron_cores_queue_holds_a_snapshot_set_until_the_save_is_finalized(t
     is reused once it is finalized."""
     result = run_probe(tmp_path, QUEUE_SCRIPT)
     assert result == {"pending": 1, "reused_while_pending": False, "reused_after": True}, result
+
+
+BACKGROUND_SCRIPT = textwrap.dedent(r"""
+    import inspect, json, os, socket, sys, tempfile, threading, time
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+
+
+    def record(path):
+        def write(*args, **kwargs):  # megatron-core's writer, reduced to reading what it writes
+            seen = [t for arg in args if isinstance(arg, list) for item in arg
+                    if isinstance(item, tuple) and len(item) == 3 for _, t in item[2][1]]
+            with open(path, "w") as f:
+                json.dump({"at": time.time(), "sums": [float(t.sum()) for t in seen]}, f)
+        return write
+
+
+    def child(channel, out):
+        from megatron_offload import save_snapshot
+        flag, snap = channel.get()
+        out.put("received")
+        save_snapshot.writer_waits([flag], lambda: out.put((time.time(), float(snap.sum()))))
+
+
+    def main():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron_offload import megatron_wiring, save_snapshot
+        from megatron_offload.save_snapshot import SaveSnapshots
+
+        snapshots = SaveSnapshots(check=lambda n: None)
+        snapshots.background = True
+
+        class Coordinator:  # what the wiring asks of the coordinator
+            def claim_snapshot_fills(self):
+                return snapshots.claim_fills()
+
+        megatron_wiring.coordinator = Coordinator()
+        AsyncCallsQueue.schedule_async_request = megatron_wiring._wrap_schedule_async_request(
+            AsyncCallsQueue.schedule_async_request)
+        result = {}
+
+        # 1. megatron-core's queue (its per-save worker: the persistent one needs a GPU): the
+        #    writer's function runs in the worker only once the fill, released 1 s later, is done.
+        gate = threading.Event()
+        (snap,) = snapshots.take([torch.full((1024,), 4.0)], before=lambda: gate.wait(30))
+        kwargs = {"async_sharded_save": True}
+        if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+            kwargs["async_strategy"] = "mcore"
+        request = dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", snap, replica_id=0)},
+                                          tempfile.mkdtemp(), **kwargs)
+        path = os.path.join(tempfile.mkdtemp(), "written.json")
+        request = request._replace(async_fn=record(path), finalize_fns=[])
+        queue = AsyncCallsQueue(persistent=False)
+        queue.schedule_async_request(request)
+        released = time.time() + 1.0
+        threading.Timer(1.0, gate.set).start()
+        del request, snap
+        queue.maybe_finalize_async_calls(blocking=True)
+        with open(path) as f:
+            written = json.load(f)
+        result["queue"] = {"sums": written["sums"], "after_release": written["at"] >= released - 0.05,
+                           "pending": queue.get_num_unfinalized_calls()}
+
+        # 2. A spawned process (as megatron-core's persistent worker is) gets a snapshot and its
+        #    flag by name, under handed_over_by_name, and reads it once filled.
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        channel, out = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=child, args=(channel, out))
+        proc.start()
+        gate = threading.Event()
+        (snap,) = snapshots.take([torch.full((2048,), 5.0)], before=lambda: gate.wait(60))
+        (fill,) = snapshots.claim_fills()
+        ptr = snap.untyped_storage().data_ptr()
+        with save_snapshot.handed_over_by_name():
+            channel.put((fill.flag, snap))
+            assert out.get(timeout=120) == "received"  # (pickled by the queue's feeder thread)
+        time.sleep(0.5)
+        released = time.time()
+        gate.set()
+        at, total = out.get(timeout=120)
+        proc.join(60)
+        result["spawned"] = {"sum": total, "after_release": at >= released - 0.05,
+                             "same_storage": snap.untyped_storage().data_ptr() == ptr}
+        dist.destroy_process_group()
+        print(json.dumps(result))
+
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_the_writer_waits_for_a_background_fill_through_megatron_cores_queue(tmp_path):
+    """[Note: background fill]: megatron-core's real asynchronous save, scheduled through the
+    wiring's `schedule_async_request` wrapper, runs its writer only once the fill of the snapshot
+    it writes has finished (released a second after scheduling), finalizes cleanly, and writes
+    the filled bytes; a spawned process (the persistent worker's kind) gets a snapshot by name
+    (its storage not copied on the way) and reads it once filled."""
+    result = run_probe(tmp_path, BACKGROUND_SCRIPT)
+    assert result["queue"] == {"sums": [4096.0], "after_release": True, "pending": 0}, result
+    assert result["spawned"] == {"sum": 10240.0, "after_release": True, "same_storage": True}, result

@@ -2,6 +2,8 @@
 torch AdamW in each of its implementations and the TE FusedAdam stand-in (group step counter)."""
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -841,6 +843,81 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         assert coord.host_read_seconds > 0  # (what the functional runs report per save)
         coord.close()
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
+    """[Note: background fill] (async_save_background_fill): a save's `sharded_state_dict` returns
+    while its snapshots still fill (here each fill first sleeps). What reads them waits: the
+    writer (`writer_waits` on the flags it is handed), a reader of values nested in the save (a
+    gather, `get_parameter_state_dp_zero`), dist-checkpointing itself where it would read a
+    snapshot in this process (a ShardedTensor over a view of one: cloned for the writer), and the
+    copy-outs of the next iterations, which rewrite the host copies the fill reads: the writer
+    gets the state as it was at the save, and training stays bit-exact."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_offload import save_snapshot
+    from megatron_offload.discovery import find_state_tensors
+    from megatron_offload.megatron_wiring import _wrap_state_access
+    from test_offloader_cpu import CPU, make_coord, one_iteration
+
+    slow = save_snapshot._fill_pieces
+    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.2), slow(*a)))
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=True, async_save_snapshots=True,
+                       async_save_background_fill=True)
+    off = coord.add_optimizer(opt)
+    seen = {}
+
+    def save(model_sd, is_loading=False, view=False, gather=False):
+        tensors = {st.name: st.tensor for c in off.chunks for st in c.tensors}
+        seen["pending"] = any(off.snapshots.filling(t) for t in tensors.values())
+        seen["whole"] = all(off.snapshots.filling(t) and t.untyped_storage().nbytes() == t.nbytes
+                            for t in tensors.values())
+        if gather:  # (a reader of values, wrapped like megatron-core's)
+            seen["gathered"] = opt.get_parameter_state_dp_zero()
+        return {name: ShardedTensor.from_rank_offsets(name, t[1:] if view else t, replica_id=0)
+                for name, t in tensors.items()}
+
+    opt.get_parameter_state_dp_zero = lambda: {st.name: st.tensor.clone() for c in off.chunks for st in c.tensors}
+    opt.sharded_state_dict = lambda model_sd, is_loading=False, **k: save(model_sd, is_loading, **k)
+    _wrap_state_access(coord, off, opt)
+    coord.offload_existing_state()
+    iteration = chunked_iteration if chunked else one_iteration
+    step = 0
+    for view, gather in ((False, False), (True, False), (False, True)):
+        for _ in range(2):
+            make_grads(ref.all_params(), step)
+            ref.step()
+            iteration(opt, coord, step)
+            step += 1
+        expected = {st.name: st.tensor.clone() for st in find_state_tensors(ref, CPU).tensors}
+        sharded = opt.sharded_state_dict({}, view=view, gather=gather)
+        assert seen["pending"] and seen["whole"]
+        # The save waited for its fills itself where something in this process reads them.
+        assert any(not f.done for f in off.snapshots._fills) == (not view and not gather), (view, gather)
+        if gather:
+            assert_bitwise_equal(seen["gathered"], expected)
+        # What megatron-core's writer reads, once the flags are set: the sharded tensors' data
+        # (views made by dist-checkpointing before the save returns; the state tensors
+        # themselves point back at the GPU buffers at the next forward).
+        handed = {k: v.data.view(-1) for k, v in sharded.items()}
+        fills = coord.claim_snapshot_fills()
+        written = {}
+        writer = threading.Thread(target=save_snapshot.writer_waits, args=(
+            [f.flag for f in fills], lambda: written.update({k: v.clone() for k, v in handed.items()})))
+        writer.start()
+        for _ in range(2):  # training goes on at once: the copy-outs wait for the fill
+            make_grads(ref.all_params(), step)
+            ref.step()
+            iteration(opt, coord, step)
+            step += 1
+        writer.join(10)
+        save_snapshot.check_written(fills)
+        assert_bitwise_equal(written, {k: (v[1:] if view else v) for k, v in expected.items()})
+        del sharded, written, handed
+    coord.close()
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
 @pytest.mark.parametrize("moments", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

@@ -476,9 +476,19 @@ def test_copy_out_feeder_is_bit_exact(chunked, delay_cycles):
     coord.close()
 
 
+def named_state(optimizer):
+    """Every offloadable state tensor of `optimizer`'s DistributedOptimizers, by (index, name), on the host."""
+    from megatron_offload import find_state_tensors
+
+    return {(i, st.name): st.tensor.detach().cpu().clone()
+            for i, d in enumerate(iter_distributed_optimizers(optimizer))
+            for st in find_state_tensors(d, torch.device("cuda")).tensors}
+
+
 @DELAYS
+@pytest.mark.parametrize("background", [False, True], ids=["filled", "background"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
-def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, delay_cycles):
+def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, background, delay_cycles):
     """--async-save (async_saves): a save right after a step finds every chunk sent out (no GPU
     chunk buffer for megatron-core's checkpoint worker to hold through its write) and reads host
     copies only: large tensors from shared-memory snapshots that are their whole storage (the
@@ -487,30 +497,40 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     byte as without offloading. The writer of each save keeps what it read (its request holds the
     tensors) while training goes on and the copy-outs rewrite the pinned buffer under copy-stream
     delays, and a second save comes while the first still holds its set: what each kept stays as
-    it was read; training stays bit-exact."""
+    it was read; training stays bit-exact. `background` (async_save_background_fill): the save
+    only takes references (every tensor a snapshot), its copy-out and the snapshots' fill finish
+    in a thread while training goes on at once, and what it kept is read only at the end, after
+    the fills, as megatron-core's writer does (`save_snapshot.writer_waits`)."""
     ref_losses, _, ref_digest = reference()
     ref_model, ref_opt = build()
-    saved_ref = {}
+    saved_ref, state_ref = {}, {}
     for step in range(4):
         train(ref_model, ref_opt, steps=1, first_step=step)
         saved_ref[step] = digest(ref_model, ref_opt)
+        state_ref[step] = named_state(ref_opt)
     del ref_model, ref_opt
     torch.cuda.empty_cache()
     model, optimizer = build()
     coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=chunked, chunk_bytes=8 * 2**20,
-                   async_saves=True, async_save_snapshots=True)
-    seen, kept = {}, {}
+                   async_saves=True, async_save_snapshots=True, async_save_background_fill=background)
+    seen, kept, fills = {}, {}, {}
 
     def save(step):
         if step not in (2, 3):
             return
-        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True):
-            tensors = [st.tensor for off in coord.offloaders for c in off.chunks for st in c.tensors]
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=background):
+            named = [((i, st.name), st.tensor) for i, off in enumerate(coord.offloaders)
+                     for c in off.chunks for st in c.tensors]
+            tensors = [t for _, t in named]
             whole = [t.is_shared() and t.untyped_storage().nbytes() == t.nbytes for t in tensors]
             views = [t.untyped_storage().nbytes() > t.nbytes for t in tensors]
             seen[step] = dict(resident=coord.resident_bytes, cpu=all(not t.is_cuda for t in tensors),
                               snapshots=sum(whole), every_one=all(w or v for w, v in zip(whole, views)),
-                              digest=digest(model, optimizer), state=tensors_digest(tensors))
+                              names=[n for n, _ in named])
+            if background:  # (nothing may read them until their fill is done)
+                fills[step] = coord.claim_snapshot_fills()
+            else:
+                seen[step].update(digest=digest(model, optimizer), state=tensors_digest(tensors))
             # The writer's request: the tensors themselves (snapshots), copies of the views.
             kept[step] = [t.detach() if w else t.clone() for t, w in zip(tensors, whole)]
 
@@ -518,6 +538,12 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     for step in (2, 3):
         assert seen[step]["resident"] == 0 and seen[step]["cpu"] and seen[step]["every_one"], seen
         assert seen[step]["snapshots"] > 0, seen
+        if background:  # the writer, long after training went on: what the state was at the save
+            assert seen[step]["snapshots"] == len(kept[step]) and fills[step], seen
+            for fill in fills[step]:
+                fill.check_written()
+            assert tensors_digest(kept[step]) == tensors_digest([state_ref[step][n] for n in seen[step]["names"]])
+            continue
         assert seen[step]["digest"] == saved_ref[step]
         # What each save's writer kept is still what it read, after the later copy-outs.
         assert tensors_digest(kept[step]) == seen[step]["state"]

@@ -356,7 +356,7 @@ def test_params_norm_brings_the_state_back_only_with_the_chunked_step(monkeypatc
             self.config = megatron_offload.OffloadConfig(chunked_step=True)
             self.offloaders = ["a", "b"]
 
-        def before_state_access(self, off, will_modify, host_copies_ok=False):
+        def before_state_access(self, off, will_modify, host_copies_ok=False, **kw):
             seen.append(("before", off, will_modify))
 
         def after_state_access(self, off, modified):
@@ -649,9 +649,92 @@ def test_async_save_and_fully_parallel_load_reach_the_config():
     # the write is finalized); nvidia-resiliency-ext's reads the views.
     for strategy, snapshots in (("mcore", True), ("nvrx", False)):
         args.async_strategy = strategy
-        assert megatron_args.config_from_args(args).async_save_snapshots == snapshots
+        config = megatron_args.config_from_args(args)
+        # (filled in the background where megatron_wiring's wrapper of megatron-core's queue waits)
+        assert config.async_save_snapshots == snapshots == config.async_save_background_fill
     args.async_save = False
     assert not megatron_args.config_from_args(args).async_save_snapshots
+
+
+def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait(monkeypatch):
+    """megatron-core's `AsyncCallsQueue.schedule_async_request`, wrapped: with background fills
+    unclaimed, the writer's function is `save_snapshot.writer_waits` on their flags around the
+    original, a finalize function that checks them comes first, and the request is handed over
+    under torch's file_system sharing (restored after); a request without a wait for its worker
+    (no preload) is scheduled as it is once the fills finished here; without fills nothing changes."""
+    import functools
+    import threading
+
+    import torch.multiprocessing as mp
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    from megatron_offload import megatron_wiring, save_snapshot
+    from megatron_offload.save_snapshot import SaveSnapshots
+
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.background = True
+
+    class Coord:
+        def claim_snapshot_fills(self):
+            return snaps.claim_fills()
+
+    monkeypatch.setattr(megatron_wiring, "coordinator", Coord())
+    scheduled = []
+
+    def original(queue, request):
+        scheduled.append((request, mp.get_sharing_strategy()))
+        return 7
+
+    def write(*a, **k):
+        return ("wrote", a, k)
+
+    def finalize():
+        pass
+
+    schedule = megatron_wiring._wrap_schedule_async_request(original)
+    request = AsyncRequest(write, (1, 2), [finalize], async_fn_kwargs={"k": 3}, preload_fn=lambda: None)
+    before = mp.get_sharing_strategy()
+    assert schedule(None, request) == 7 and scheduled[-1] == (request, before)  # nothing filling
+    gate = threading.Event()
+    snaps.take([torch.ones(8)], before=gate.wait)
+    schedule(None, request)
+    sent, strategy = scheduled[-1]
+    assert strategy == "file_system" and mp.get_sharing_strategy() == before
+    assert isinstance(sent.async_fn, functools.partial) and sent.async_fn.func is save_snapshot.writer_waits
+    (flag,), inner = sent.async_fn.args
+    assert inner is write and int(flag[0]) == 0
+    assert sent.finalize_fns[1:] == [finalize] and sent.finalize_fns[0].func is save_snapshot.check_written
+    gate.set()
+    assert sent.async_fn(*sent.async_fn_args, **sent.async_fn_kwargs) == ("wrote", (1, 2), {"k": 3})
+    sent.finalize_fns[0]()
+    assert snaps.claim_fills() == []  # (each fill is handed to one request)
+    gate = threading.Event()
+    snaps.take([torch.ones(8)], before=lambda: gate.wait(0.2))
+    plain = request._replace(preload_fn=None)
+    schedule(None, plain)
+    assert scheduled[-1] == (plain, before) and all(f.done for f in snaps._fills)  # (waited for here)
+
+
+def test_what_dist_checkpointing_reads_before_its_writer_runs():
+    """`_read_before_the_writer`: a plain ShardedTensor over a whole contiguous storage goes to the
+    writer as it is; a view is cloned, a non-contiguous tensor copied, a factory built, an object
+    pickled, a plain tensor saved in this process: their tensors are reported."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from megatron_offload.megatron_wiring import _read_before_the_writer
+
+    whole, base, grid = torch.zeros(8), torch.zeros(16), torch.zeros(4, 4)
+    factory = ShardedTensorFactory("f", torch.zeros(8), lambda *a: None, lambda *a: None, replica_id=0)
+    state = {"whole": ShardedTensor.from_rank_offsets("w", whole, replica_id=0),
+             "nested": [{"view": ShardedTensor.from_rank_offsets("v", base[4:12], replica_id=0)}],
+             "strided": ShardedTensor.from_rank_offsets("s", grid.t(), replica_id=0),
+             "factory": factory,
+             "object": ShardedObject("o", {"t": torch.ones(2)}, (1,), (0,), replica_id=0),
+             "plain": torch.ones(3)}
+    read = [t.untyped_storage().data_ptr() for t in _read_before_the_writer(state)]
+    expected = [base, grid, factory.data, state["object"].data["t"], state["plain"]]
+    assert read == [t.untyped_storage().data_ptr() for t in expected]
 
 
 def _smallest_on_rank(rank, world, port, values, out):

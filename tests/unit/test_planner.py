@@ -733,7 +733,8 @@ def test_the_calibrations_bound_has_a_benchmark_modifier_the_mock_understands():
     assert field == "second_calibration_capped" and parse(value) is False and parse("1") is True
     assert field in {f.name for f in dataclasses.fields(OffloadConfig)}
     for modifier, field, off in (("wsmax", "workspace_by_position", False), ("nows", "keep_backward_workspace", False),
-                                 ("keepprofile", "forget_lasting_growth", False)):
+                                 ("keepprofile", "forget_lasting_growth", False),
+                                 ("syncfill", "async_save_background_fill", False)):
         (var, value), = benchmark.MODIFIERS[modifier].items()
         assert pretrain_gpt_mock.DIAGNOSTIC_ENV[var][0] == field and pretrain_gpt_mock.DIAGNOSTIC_ENV[var][1](value) is off
 

@@ -4,6 +4,8 @@ a set still held by a pending save is never rewritten."""
 
 import gc
 import logging
+import threading
+import time
 
 import pytest
 import torch
@@ -147,9 +149,109 @@ def test_without_storage_reference_counts_no_set_is_made(monkeypatch):
     assert snaps.take(sources(0)) is None and snaps.nbytes == 0
 
 
-def test_only_large_tensors_get_snapshots():
+def test_only_large_tensors_get_snapshots_unless_filled_in_the_background():
     big = torch.empty(save_snapshot.MIN_SNAPSHOT_BYTES // 4, dtype=torch.float32)
-    assert SaveSnapshots.selects(big) and not SaveSnapshots.selects(big[:-1])
+    snaps = SaveSnapshots(check=lambda n: None)
+    assert snaps.selects(big) and not snaps.selects(big[:-1])
+    snaps.background = True  # (a small view would be cloned, i.e. read, before the writer waits)
+    assert snaps.selects(big[:1]) and not snaps.selects(big[:0])
+
+
+def gated_take(snaps, src):
+    """`take` in the background whose fill waits until the returned gate is set."""
+    gate = threading.Event()
+    got = snaps.take(src, before=lambda: gate.wait(10))
+    return got, gate
+
+
+def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
+    """[Note: background fill]: `take` returns before the copy; the writer's function
+    (`writer_waits`, in the writer's process) runs only once the fill's flag is set, and then
+    reads every source byte; the set counts as held while it fills; the fill is handed to one
+    writer only; the snapshots are shared by name and cross by name under `handed_over_by_name`
+    (no copy into new shared memory)."""
+    from torch.multiprocessing.reductions import reduce_storage
+
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.background = True
+    src = sources(0)
+    got, gate = gated_take(snaps, src)
+    (fill,) = snaps.claim_fills()
+    assert snaps.claim_fills() == []
+    assert int(fill.flag[0]) == 0 and not fill.done and snaps.filling(got[0]) and snaps.filling(got[1][5:])
+    assert not snaps.filling(src[0])
+    ptrs = [t.untyped_storage().data_ptr() for t in got]
+    del got
+    assert snaps._sets[0].in_use()  # (the fill's own pieces: no later save may take the set)
+    seen = []
+    writer = threading.Thread(target=save_snapshot.writer_waits,
+                              args=([fill.flag], lambda *a, **k: seen.append((a, k, [t.clone() for t in snaps._sets[0].tensors]))),
+                              kwargs={"x": 1})
+    writer.start()
+    time.sleep(0.1)
+    assert not seen  # still waiting
+    gate.set()
+    writer.join(10)
+    assert len(seen) == 1 and seen[0][:2] == ((), {"x": 1})
+    assert all(torch.equal(a, b) for a, b in zip(seen[0][2], src))
+    snaps.wait_filled()
+    assert int(fill.flag[0]) == 1 and not snaps.filling(snaps._sets[0].tensors[0])
+    save_snapshot.check_written([fill])
+    assert not snaps._sets[0].in_use()
+    with save_snapshot.handed_over_by_name():
+        rebuild = reduce_storage(snaps._sets[0].tensors[0].untyped_storage())[0]
+    assert rebuild.__name__ == "rebuild_storage_filename"
+    assert [t.untyped_storage().data_ptr() for t in snaps._sets[0].tensors] == ptrs
+    assert torch.multiprocessing.get_sharing_strategy() != "file_system"  # (restored)
+
+
+def test_a_failed_fill_fails_the_save_and_the_writer_does_not_hang():
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.background = True
+
+    def broken():
+        raise OSError("no")
+
+    snaps.take(sources(0), before=broken)
+    (fill,) = snaps.claim_fills()
+    assert save_snapshot.writer_waits([fill.flag], lambda: "written") == "written"
+    assert int(fill.flag[0]) == -1
+    with pytest.raises(RuntimeError, match="must not be used"):
+        save_snapshot.check_written([fill])
+    with pytest.raises(RuntimeError, match="filling"):
+        snaps.wait_filled()
+    snaps.wait_filled()  # (reported once)
+
+
+def test_a_writer_that_stops_waiting_fails_the_save(monkeypatch):
+    monkeypatch.setattr(save_snapshot, "FILL_TIMEOUT_S", 0.05)
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.background = True
+    _, gate = gated_take(snaps, sources(0))
+    (fill,) = snaps.claim_fills()
+    assert save_snapshot.writer_waits([fill.flag], lambda: "written") == "written"
+    gate.set()
+    fill.wait()  # (the fill itself succeeded, after the writer gave up)
+    with pytest.raises(RuntimeError, match="stopped waiting"):
+        save_snapshot.check_written([fill])
+
+
+def test_what_rewrites_or_frees_the_sources_waits_for_the_fill():
+    """`drop_free` (a re-pack frees the pinned buffer) and `close` return only once the fill
+    has read its sources."""
+    for method in ("drop_free", "close"):
+        snaps = SaveSnapshots(check=lambda n: None)
+        snaps.background = True
+        src = sources(0)
+        got, gate = gated_take(snaps, src)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (getattr(snaps, method)(), done.set()))
+        t.start()
+        time.sleep(0.1)
+        assert not done.is_set(), method
+        gate.set()
+        t.join(10)
+        assert done.is_set() and all(torch.equal(a, b) for a, b in zip(got, src)), method
 
 
 def test_a_prepared_set_is_the_one_the_first_save_takes():
