@@ -69,6 +69,10 @@ MAX_SETS = 2
 # CPU copy releases the GIL; one thread copies at a fraction of the memory bandwidth).
 COPY_PIECE_BYTES = 64 << 20
 COPY_THREADS = 8
+# A background fill copies from one thread: each piece's copy is parallel inside torch already, and
+# several threads each starting their own parallel copies contend with the training thread, which
+# goes on meanwhile (a blocking fill may use them: nothing else runs then).
+BACKGROUND_COPY_THREADS = 1
 # File descriptors left to everything else when sets are made (each snapshot keeps one open).
 FD_MARGIN = 512
 # The writer's wait for a background fill (`writer_waits`): poll interval, and how long it waits
@@ -362,7 +366,7 @@ class SaveSnapshots:
                 return None
         pieces = self._pieces(chosen.tensors, sources, as_fp32)
         if self.background:
-            fill = Fill(chosen.tensors, pieces, self._threads, before)
+            fill = Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before)
             self._fills.append(fill)
             self._unclaimed.append(fill)
         else:

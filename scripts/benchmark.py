@@ -101,6 +101,8 @@ MODIFIERS = {
     # An asynchronous save's snapshots filled before the save returns, as before the background
     # fill (OffloadConfig.async_save_background_fill off; with --async-save).
     "syncfill": {"MEGATRON_OFFLOAD_BACKGROUND_FILL": "0"},
+    # The background fill over 8 threads (save_snapshot.BACKGROUND_COPY_THREADS; default 1).
+    "fill8": {"MEGATRON_OFFLOAD_FILL_THREADS": "8"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},

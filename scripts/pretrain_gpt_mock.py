@@ -429,6 +429,10 @@ def set_diagnostics_from_env():
         from megatron_offload import megatron_args
 
         megatron_args.DIAGNOSTICS.update(chosen)
+    if os.environ.get("MEGATRON_OFFLOAD_FILL_THREADS"):  # (the benchmark's @fill8: a module constant)
+        from megatron_offload import save_snapshot
+
+        save_snapshot.BACKGROUND_COPY_THREADS = int(os.environ["MEGATRON_OFFLOAD_FILL_THREADS"])
     if os.environ.get("MEGATRON_OFFLOAD_DEVICE_READS") == "1":
         from megatron_offload import megatron_reads
 
