@@ -99,22 +99,27 @@ def test_an_async_save_copies_buffer_views_and_keeps_snapshots_as_they_are(tmp_p
     assert not result["reused_while_held"] and result["snap_value"] == 4.0, result
 
 
-QUEUE_SCRIPT = textwrap.dedent(r"""
-    import inspect, json, socket, tempfile
+# What the queue probes share: megatron-core's async queue reads the CUDA device for its
+# all-reduces and synchronizes after staging; on the CPU both go to the CPU (gloo, one process).
+QUEUE_PRELUDE = textwrap.dedent(r"""
+    import inspect, json, os, socket, tempfile, threading, time
     import torch
     import torch.distributed as dist
 
-    # megatron-core's async queue reads the CUDA device for its all-reduces and synchronizes
-    # after staging: on the CPU both go to the CPU (gloo).
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
 
 
-    def main():
+    def init_gloo():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+""")
+
+QUEUE_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
+    def main():
+        init_gloo()
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing import ShardedTensor
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -169,15 +174,7 @@ def test_megatron_cores_queue_holds_a_snapshot_set_until_the_save_is_finalized(t
     assert result == {"pending": 1, "reused_while_pending": False, "reused_after": True}, result
 
 
-BACKGROUND_SCRIPT = textwrap.dedent(r"""
-    import inspect, json, os, socket, sys, tempfile, threading, time
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.current_device = lambda: "cpu"
-
-
+BACKGROUND_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
     def record(path):
         def write(*args, **kwargs):  # megatron-core's writer, reduced to reading what it writes
             seen = [t for arg in args if isinstance(arg, list) for item in arg
@@ -195,10 +192,7 @@ BACKGROUND_SCRIPT = textwrap.dedent(r"""
 
 
     def main():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        init_gloo()
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing import ShardedTensor
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
