@@ -14,8 +14,9 @@
 # same folder at once would race), and no spec may set TE=1 or WHEELS (Transformer Engine's
 # installer empties its folder first: run those specs in a call without '&').
 # The suite samples the node's MemAvailable itself (memavailable_kib.log in each logs.tgz).
-# A spec's /tmp/w_NAME/scratch is deleted when it ends (e.g. a benchmark's checkpoints:
-# --extra=--save=/tmp/w_NAME/scratch), so that the next spec has the disk.
+# A spec's /tmp/w_NAME/ckpt_scratch is deleted when it ends (e.g. a benchmark's checkpoints:
+# --extra=--save=/tmp/w_NAME/ckpt_scratch; logs.tgz never packs a WORK folder named ckpt_*), so
+# that the next spec has the disk.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=${OUT:-/tmp/megatron_offload_gpu}
 mkdir -p "$R"
@@ -42,7 +43,7 @@ run_spec() {
   echo "=== $name: $envs ($(date +%T))"
   ( eval "export $envs"; OUT=$R/$name WORK=/tmp/w_$name bash scripts/run_gpu_suite.sh ) > "$R/$name/console.log" 2>&1
   rc=$?
-  rm -rf "/tmp/w_$name/scratch"
+  rm -rf "/tmp/w_$name/ckpt_scratch"
   echo "=== $name rc=$rc ($(date +%T))"
   tail -25 "$R/$name/console.log"
   return $rc
