@@ -61,9 +61,10 @@ HOOK_POINTS: Tuple[Tuple[str, str, Tuple[str, ...], Tuple[str, ...]], ...] = (
     # _wrap_state_access reads is_loading as the second argument after self.
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict",
      ("self", "model_sharded_state_dict", "is_loading"), ()),
-    # _wrap_schedule_async_request takes the request as the argument after self.
+    # megatron_saves' wrappers take the request as the argument after self, or as self.
     ("megatron.core.dist_checkpointing.strategies.async_utils", "AsyncCallsQueue.schedule_async_request",
      ("self", "async_request"), ()),
+    ("megatron.core.dist_checkpointing.strategies.async_utils", "AsyncRequest.execute_sync", ("self",), ()),
 )
 
 

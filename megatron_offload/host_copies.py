@@ -115,7 +115,11 @@ class HostCopies:
             # them before the chunks were freed; the host never did. (A background fill waits
             # in its own thread, for everything enqueued on the D2H stream until now.)
             if background:
-                copied_out = self.streams.d2h.record_event().synchronize
+                event, device = self.streams.d2h.record_event(), self.device
+
+                def copied_out():  # (in the fill's thread: on this rank's device, not device 0)
+                    torch.cuda.set_device(device)
+                    event.synchronize()
             else:
                 self.streams.d2h.synchronize()
         for chunk in chunks:
@@ -126,7 +130,7 @@ class HostCopies:
             chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
             chunk.on_host = True
-        if for_async_writer and not self._point_at_snapshots(chunks, copied_out if background else None) and copied_out:
+        if for_async_writer and not self._point_at_snapshots(chunks, copied_out, background) and copied_out:
             copied_out()  # (no free set: the writer gets views of the host copies, read at once)
         return len(chunks)
 
@@ -136,10 +140,11 @@ class HostCopies:
         return self.snapshots.prepare([st.tensor for c in self.chunks for st in c.tensors
                                        if self.snapshots.selects(st.tensor)], self._unscaled_layout())
 
-    def _point_at_snapshots(self, chunks, copied_out=None) -> bool:
+    def _point_at_snapshots(self, chunks, copied_out=None, background: bool = False) -> bool:
         """The large tensors of `chunks` (pointing at their host copies) point at shared-memory
         snapshots of them instead, where a set is free or can be made (else they stay views:
-        returns False). `copied_out`: with background snapshots, what the fill waits for first.
+        returns False). `copied_out`: what the fill waits for first; `background`: it fills in
+        a thread (save_snapshot.SaveSnapshots.take).
 
         TE's fp16 and bf16 states are never read as they are: every reader asks
         `get_unscaled_state`, which makes a private fp32 tensor of each on the host (the writer's
@@ -149,7 +154,8 @@ class HostCopies:
         inner = getattr(self.dist_opt, "optimizer", None)
         large = [(c, st) for c in chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
         as_fp32 = [_as_fp32(inner, st) for _, st in large]
-        copies = self.snapshots.take([st.tensor.data for _, st in large], as_fp32, before=copied_out) if large else None
+        copies = (self.snapshots.take([st.tensor.data for _, st in large], as_fp32, before=copied_out, background=background)
+                  if large else None)
         for (chunk, st), copy, fp32 in zip(large, copies or [], as_fp32):
             if fp32 is None:
                 st.tensor.data = copy

@@ -255,6 +255,8 @@ def config_from_args(args) -> OffloadConfig:
     """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
     auto = args.offload_state_fraction == AUTO
     snapshots = bool(getattr(args, "async_save", False)) and getattr(args, "async_strategy", "mcore") == "mcore"
+    # Local and in-memory checkpoints read the state in this process before their writer runs.
+    global_saves_only = getattr(args, "non_persistent_ckpt_type", None) in (None, "global")
     return dataclasses.replace(OffloadConfig(
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
         margin_bytes=args.offload_memory_margin_mb * 2**20,
@@ -276,5 +278,5 @@ def config_from_args(args) -> OffloadConfig:
         # strategies (nvidia-resiliency-ext's) read the views, which the writer copies.
         async_save_snapshots=snapshots,
         # ... whose requests megatron_wiring makes wait for their snapshots (filled meanwhile).
-        async_save_background_fill=snapshots,
+        async_save_background_fill=snapshots and global_saves_only,
     ), **DIAGNOSTICS)

@@ -15,9 +15,8 @@ validate_args that megatron.training.initialize imports, compat.ALIASES):
   megatron.training.training.logical_and_across_model_parallel_group, ...reduce_max_stat_..., and
   megatron.core.timers' `torch` name -> while copies are fed: host answers, stream syncs (megatron_reads.py)
   megatron.core.pipeline_parallel.schedules.forward_step / backward_step -> iteration pacing
-  megatron.core.dist_checkpointing...async_utils.AsyncCallsQueue.schedule_async_request -> an
-                                                          asynchronous save's writer waits for
-                                                          its snapshots (save_snapshot.py)
+  megatron.core.dist_checkpointing...async_utils.AsyncCallsQueue.schedule_async_request and
+  AsyncRequest.execute_sync -> a save's writer waits for its snapshots (megatron_saves.py)
 
 plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading), and, per
 optimizer instance, the top-level `optimizer.step` (to see skipped steps), `get_loss_scale` (train's
@@ -36,7 +35,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import auto_fraction, compat, megatron_args, megatron_reads, save_snapshot, upstream_fixes, validation
+from . import auto_fraction, compat, megatron_args, megatron_reads, megatron_saves, upstream_fixes, validation
 from .allocator import configure_allocator
 from .coordinator import OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
@@ -139,7 +138,7 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
                                     references_only=references):
                 result = original(*args, **kwargs)
             if references and name == "sharded_state_dict":
-                _wait_if_the_save_reads_snapshots(coord, result)
+                megatron_saves.wait_if_the_save_reads_snapshots(coord, result)
             return result
 
         setattr(dist_opt, name, wrapper)
@@ -153,64 +152,6 @@ def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
     # references the tensors, which dist-checkpointing writes from the host anyway: what is off
     # the GPU is saved from its host copy, and loaded into it.
     wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
-
-
-def _read_before_the_writer(value) -> Iterator[torch.Tensor]:
-    """The tensors of a sharded state dict that dist-checkpointing reads in this process before
-    its writer runs: all but the data of plain ShardedTensors that are contiguous and their whole
-    storage, which go to the writer as they are (a view is cloned for it, a non-contiguous tensor
-    made contiguous, a factory's build function computes, an object is pickled)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _read_before_the_writer(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _read_before_the_writer(item)
-    elif type(value) is ShardedTensor and isinstance(value.data, torch.Tensor):
-        t = value.data
-        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            yield t
-    elif hasattr(value, "data"):  # ShardedTensorFactory, ShardedObject, ...
-        yield from _read_before_the_writer(value.data)
-
-
-def _wait_if_the_save_reads_snapshots(coord: OffloadCoordinator, state) -> None:
-    """Before dist-checkpointing gets a save's state dict: if it would read a snapshot that is
-    still filling in the background (`_read_before_the_writer`), wait for the fills now."""
-    if any(coord.snapshot_filling(t) for t in _read_before_the_writer(state)):
-        coord.wait_snapshots_filled()
-
-
-def _wrap_schedule_async_request(original):
-    """An asynchronous save's snapshots may still be filling when megatron-core hands the request
-    to its writer's process ([Note: background fill] in save_snapshot.py): the writer's function
-    waits for their flags first (`save_snapshot.writer_waits`), the training process checks at
-    finalize that it did, and the request crosses to the writer with its snapshots by name."""
-
-    @functools.wraps(original)
-    def wrapper(queue, async_request, *a, **k):
-        fills = coordinator.claim_snapshot_fills() if _enabled() else []
-        if not fills:
-            return original(queue, async_request, *a, **k)
-        if async_request.async_fn is None or async_request.preload_fn is None:
-            # No writer to wait, or no wait for the worker to take the request (it may then be
-            # pickled after this returns): the fills finish here.
-            for fill in fills:
-                fill.wait()
-            return original(queue, async_request, *a, **k)
-        async_request = async_request._replace(
-            async_fn=functools.partial(save_snapshot.writer_waits, [f.flag for f in fills], async_request.async_fn),
-            finalize_fns=[functools.partial(save_snapshot.check_written, fills), *async_request.finalize_fns],
-        )
-        # (megatron-core's persistent worker takes the request before this returns: pickled by then)
-        with save_snapshot.handed_over_by_name():
-            return original(queue, async_request, *a, **k)
-
-    return wrapper
 
 
 _allocator_note: Optional[str] = None  # what validate_args decided about the allocator, printed at attach
@@ -514,9 +455,7 @@ def install() -> None:
     megatron_reads.install(_patch, training, feeding=_feeding)
     _patch(schedules, "forward_step", _wrap_forward_step)
     _patch(schedules, "backward_step", _wrap_backward_step)
-    from megatron.core.dist_checkpointing.strategies import async_utils
-
-    _patch(async_utils.AsyncCallsQueue, "schedule_async_request", _wrap_schedule_async_request)
+    megatron_saves.install(_patch, lambda: coordinator)
     upstream_fixes.install(_patch)
     _installed = True
     if os.environ.get("MEGATRON_OFFLOAD_VERBOSE"):

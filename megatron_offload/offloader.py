@@ -323,9 +323,9 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
     def close(self) -> None:
         """Bring everything back and release the pinned buffer (end of training, detaching)."""
         self.make_resident(will_modify=True)
+        self.snapshots.close()  # (first: a background fill may still read the pinned buffer)
         if self.host is not None:
             if self.streams.compute is not None:
                 self.streams.compute.synchronize()
             self.host.close()
             self.host = None
-        self.snapshots.close()

@@ -22,17 +22,21 @@ save finds the first still held by one writing (so up to twice those bytes, kept
 buffer's views, which the writer copies itself.
 
 [Note: background fill]
-With `background` (megatron_wiring sets it for megatron-core's own strategy) `take` returns at
-once and the copy runs in a thread of its own, after the copy-out it reads has finished (`before`):
-training goes on through the rest of the save while the set fills. Everything that reads a set
-waits for its fill first:
+With `background` (megatron_wiring sets it for megatron-core's own strategy), a `take` for a reader
+that only collects references returns at once and the copy runs in a thread of its own, after
+the copy-out it reads has finished (`before`): training goes on through the rest of the save
+while the set fills. Everything that reads a set waits for its fill first:
 * the checkpoint writer: megatron_wiring hands the writer's function to megatron-core wrapped in
-  `writer_waits`, which polls the fill's flag (a shared-memory byte) in the writer's process;
+  `writer_waits`, which polls the flags of every fill not known to be done (`pending_fills`: a
+  second save before the next forward reads the first one's set again) in the writer's process,
+  and adds a finalize function, on every rank, that fails the save on every rank if any rank's
+  fill failed (`check_written`);
 * readers in this process that read values rather than take references (a gather of the state,
   TE's unscaling of 16-bit states, a copy of a view of a snapshot): `wait_filled`, called by
   their wrappers (state_access.py, host_copies.py, megatron_wiring);
 * anything that rewrites or frees what a fill reads (the next copy-out into the pinned buffer, a
-  load into it, a re-pack, `close`): `wait_filled` too.
+  load into it, a re-pack, `close`): `wait_filled` too, which never raises (a failed fill fails
+  the saves that read it, through `check_written`, not the step that comes next).
 In this mode every state tensor gets a snapshot (small ones too: a view would be cloned, a
 read, by dist-checkpointing before the request is scheduled), and sets are shared by file name
 (torch's `file_system` strategy, which `handed_over_by_name` selects while a request is handed
@@ -62,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 # Tensors below this stay views of the pinned buffer: each snapshot is one shared-memory file
 # (one file descriptor while it lives) and small ones cost more in descriptors than in copies.
+# (Sets shared by name, in background mode, keep no descriptor: every tensor gets one there.)
 MIN_SNAPSHOT_BYTES = 1 << 20
 # Sets kept at most: one being written by a pending save, one for the next save.
 MAX_SETS = 2
@@ -106,7 +111,8 @@ def shared_memory_free() -> Optional[int]:
 def check_descriptors(count: int) -> None:
     """Raise HostMemoryError if `count` more open files would leave fewer than FD_MARGIN of this
     process's limit (RLIMIT_NOFILE). A set of n snapshots keeps n open and its save briefly
-    duplicates each again (the worker queue sends descriptors): `take` asks for 2n. A queue
+    duplicates each again (the worker queue sends descriptors): `take` asks for 2n (none for
+    sets shared by name, which keep none and cross by name). A queue
     that runs out of descriptors drops the request, and a blocking finalize then waits forever."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
@@ -213,7 +219,8 @@ class Fill:
             if before is not None:
                 before()
             _fill_pieces(self._pieces, threads)
-            # (The writer reads the set in threads it starts after seeing the flag.)
+            # (The copies' stores come before this one in this thread, and the writer reads the
+            # set in threads it starts after seeing the flag: a thread start orders memory there.)
             self.flag[0] = 1
         except BaseException as err:  # noqa: BLE001  (reported by `wait`, in the training process)
             self.error = err
@@ -224,6 +231,9 @@ class Fill:
     @property
     def done(self) -> bool:
         return not self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join()
 
     def wait(self) -> None:
         """Block until the copy has finished; raise if it failed (the set's bytes are not the state's)."""
@@ -246,7 +256,7 @@ def writer_waits(flags: List[torch.Tensor], write: Callable, *args, **kwargs):
     writer's process, as the writer's function (megatron_wiring wraps megatron-core's request in
     it). Never raises for a failed or late fill (that would end megatron-core's worker loop, and a
     blocking finalize would wait for ever): it writes after FILL_TIMEOUT_S anyway, and the
-    training process refuses to finalize that save (`Fill.wait` in its finalize functions)."""
+    training process refuses to finalize that save (`check_written`, a finalize function)."""
     deadline = time.monotonic() + FILL_TIMEOUT_S
     for flag in flags:
         while int(flag[0]) == 0:
@@ -258,10 +268,29 @@ def writer_waits(flags: List[torch.Tensor], write: Callable, *args, **kwargs):
 
 
 def check_written(fills: List[Fill]) -> None:
-    """A finalize function of a save whose writer waited for `fills`: raise before the save is
-    finalized if any fill failed or the writer stopped waiting (`Fill.check_written`)."""
+    """A finalize function of every asynchronous save in background mode, on every rank (`fills`:
+    what this rank's writer waited for, maybe none): raise, on every rank of an initialized
+    process group, before the save is finalized, if any rank's fill failed or its writer
+    stopped waiting (`Fill.check_written`); one rank raising alone would leave the others in
+    megatron-core's collective finalize."""
+    problem = None
     for fill in fills:
-        fill.check_written()
+        try:
+            fill.check_written()
+        except RuntimeError as err:
+            problem = problem or err
+    failed = problem is not None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        on_gpu = "nccl" in str(torch.distributed.get_backend())
+        count = torch.tensor([int(failed)], dtype=torch.int32,
+                             device=torch.cuda.current_device() if on_gpu else "cpu")
+        torch.distributed.all_reduce(count)
+        failed = int(count.item()) > 0
+    if problem is not None:
+        raise problem
+    if failed:
+        raise RuntimeError("megatron-offload: another rank's asynchronous save snapshots were not written as "
+                           "filled; the save must not be used")
 
 
 @contextlib.contextmanager
@@ -290,8 +319,7 @@ class SaveSnapshots:
         # Fill in the background, every tensor, sets shared by name ([Note: background fill]);
         # set by the owner before any set is made.
         self.background = False
-        self._fills: List[Fill] = []  # background fills not known to be finished
-        self._unclaimed: List[Fill] = []  # ... not yet handed to a writer (`claim_fills`)
+        self._fills: List[Fill] = []  # background fills not known to have succeeded
         self._sets: List[_Set] = []
         self._check = check
         self._check_fds = check_fds
@@ -325,15 +353,15 @@ class SaveSnapshots:
         return self._new_set(layout) is not None
 
     def take(self, sources: List[torch.Tensor], as_fp32: Optional[List[Optional[Fp32]]] = None,
-             before: Optional[Callable[[], None]] = None) -> Optional[List[torch.Tensor]]:
+             before: Optional[Callable[[], None]] = None, background: bool = False) -> Optional[List[torch.Tensor]]:
         """Copies of `sources` (contiguous CPU tensors), each its own shared-memory storage, from a
         free set (made if none is free and fewer than MAX_SETS exist). A source with an `Fp32`
         entry in `as_fp32` is served as fp32 instead: Transformer Engine's `get_unscaled_state`
         computed piece by piece (the same conversion and the same fp32 multiply per element, so
         the same bits). None if no set is free and none can be made: the caller hands out the
         sources themselves. `before` (the copy-out the sources wait for) runs first; with
-        `background` both run in a thread and the copies are valid only once it has finished
-        ([Note: background fill])."""
+        `background` (a reader that only collects references) both run in a thread and the
+        copies are valid only once it has finished ([Note: background fill])."""
         if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
             self._warn("this torch does not expose storage reference counts")
             return None
@@ -365,10 +393,8 @@ class SaveSnapshots:
                 self._warn(str(err))
                 return None
         pieces = self._pieces(chosen.tensors, sources, as_fp32)
-        if self.background:
-            fill = Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before)
-            self._fills.append(fill)
-            self._unclaimed.append(fill)
+        if background:
+            self._fills.append(Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before))
         else:
             if before is not None:
                 before()
@@ -376,23 +402,18 @@ class SaveSnapshots:
         return list(chosen.tensors)
 
     def wait_filled(self) -> None:
-        """Block until every background fill has finished (raise if one failed): before anything
-        reads a set's values in this process, or rewrites or frees what a fill reads."""
-        fills, self._fills = self._fills, []
-        failed = []
-        for fill in fills:
-            try:
-                fill.wait()
-            except RuntimeError as err:
-                failed.append(err)
-        if failed:
-            raise failed[0]
+        """Block until every background fill has finished: before anything reads a set's values
+        in this process, or rewrites or frees what a fill reads. Never raises: a failed fill
+        stays pending, and every save that reads it fails (`check_written`)."""
+        for fill in self._fills:
+            fill.join()
+        self._fills = [f for f in self._fills if f.error is not None]
 
-    def claim_fills(self) -> List[Fill]:
-        """The background fills not yet handed to a writer, handed now (each once)."""
+    def pending_fills(self) -> List[Fill]:
+        """The background fills not known to have succeeded (running, or failed): what a writer
+        handed a request now must wait for and check."""
         self._fills = [f for f in self._fills if not f.done or f.error is not None]
-        claimed, self._unclaimed = self._unclaimed, []
-        return claimed
+        return list(self._fills)
 
     def filling(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a view of a snapshot whose fill may still be running."""

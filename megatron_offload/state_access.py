@@ -85,17 +85,17 @@ class StateAccess:
         """Host bytes held in shared-memory snapshots for asynchronous saves (save_snapshot.py)."""
         return sum(off.snapshots.nbytes for off in self.offloaders)
 
-    def claim_snapshot_fills(self) -> list:
-        """The background snapshot fills (save_snapshot.Fill) not yet handed to a checkpoint
-        writer, handed now: the caller makes the writer wait for them (`save_snapshot.writer_waits`)."""
-        return [fill for off in self.offloaders for fill in off.snapshots.claim_fills()]
+    def pending_snapshot_fills(self) -> list:
+        """The background snapshot fills (save_snapshot.Fill) not known to have succeeded: a
+        checkpoint writer handed a request now waits for them (`save_snapshot.writer_waits`)."""
+        return [fill for off in self.offloaders for fill in off.snapshots.pending_fills()]
 
     def snapshot_filling(self, tensor) -> bool:
         """Whether `tensor` is a view of a snapshot whose background fill may still be running."""
         return any(off.snapshots.filling(tensor) for off in self.offloaders)
 
     def wait_snapshots_filled(self) -> None:
-        """Block until every background snapshot fill has finished (raise if one failed)."""
+        """Block until every background snapshot fill has finished (never raises: save_snapshot)."""
         for off in self.offloaders:
             off.snapshots.wait_filled()
 

@@ -196,25 +196,26 @@ BACKGROUND_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing import ShardedTensor
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        from megatron_offload import megatron_wiring, save_snapshot
+        from megatron_offload import megatron_saves, megatron_wiring, save_snapshot
+        from megatron_offload.config import OffloadConfig
         from megatron_offload.save_snapshot import SaveSnapshots
 
         snapshots = SaveSnapshots(check=lambda n: None)
         snapshots.background = True
 
         class Coordinator:  # what the wiring asks of the coordinator
-            def claim_snapshot_fills(self):
-                return snapshots.claim_fills()
+            config = OffloadConfig(async_save_snapshots=True, async_save_background_fill=True)
 
-        megatron_wiring.coordinator = Coordinator()
-        AsyncCallsQueue.schedule_async_request = megatron_wiring._wrap_schedule_async_request(
-            AsyncCallsQueue.schedule_async_request)
+            def pending_snapshot_fills(self):
+                return snapshots.pending_fills()
+
+        megatron_saves.install(megatron_wiring._patch, Coordinator)
         result = {}
 
         # 1. megatron-core's queue (its per-save worker: the persistent one needs a GPU): the
         #    writer's function runs in the worker only once the fill, released 1 s later, is done.
         gate = threading.Event()
-        (snap,) = snapshots.take([torch.full((1024,), 4.0)], before=lambda: gate.wait(30))
+        (snap,) = snapshots.take([torch.full((1024,), 4.0)], before=lambda: gate.wait(30), background=True)
         kwargs = {"async_sharded_save": True}
         if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
             kwargs["async_strategy"] = "mcore"
@@ -241,8 +242,8 @@ BACKGROUND_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
         proc = ctx.Process(target=child, args=(channel, out))
         proc.start()
         gate = threading.Event()
-        (snap,) = snapshots.take([torch.full((2048,), 5.0)], before=lambda: gate.wait(60))
-        (fill,) = snapshots.claim_fills()
+        (snap,) = snapshots.take([torch.full((2048,), 5.0)], before=lambda: gate.wait(60), background=True)
+        (fill,) = snapshots.pending_fills()
         ptr = snap.untyped_storage().data_ptr()
         with save_snapshot.handed_over_by_name():
             channel.put((fill.flag, snap))

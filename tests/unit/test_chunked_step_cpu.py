@@ -902,7 +902,7 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
         # (views made by dist-checkpointing before the save returns; the state tensors
         # themselves point back at the GPU buffers at the next forward).
         handed = {k: v.data.view(-1) for k, v in sharded.items()}
-        fills = coord.claim_snapshot_fills()
+        fills = coord.pending_snapshot_fills()
         written = {}
         writer = threading.Thread(target=save_snapshot.writer_waits, args=(
             [f.flag for f in fills], lambda: written.update({k: v.clone() for k, v in handed.items()})))
@@ -984,6 +984,35 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
     coord.close()
     assert "get_unscaled_state" not in opt.optimizer.__dict__
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+def test_te_reads_16_bit_states_only_once_a_background_fill_is_done(monkeypatch):
+    """[Note: background fill] with TE's fp16 states: a save's `get_unscaled_state` hands out the
+    served fp32 snapshot at once (still filling: the writer waits for it) and an fp32 state as it
+    is, but an fp16 state it converts itself (here one written in place, so no longer served)
+    is read only once the fill is done."""
+    from megatron_offload import save_snapshot
+    from test_offloader_cpu import make_coord, one_iteration
+
+    slow = save_snapshot._fill_pieces
+    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.3), slow(*a)))
+    opt = MegatronShapedPrecisionAware(numels=MANY, moment_dtype=torch.float16)
+    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True, async_save_background_fill=True)
+    off = coord.add_optimizer(opt)
+    coord.offload_existing_state()
+    one_iteration(opt, coord, 0)
+    inner = opt.optimizer
+    p = inner.param_groups[0]["params"][0]
+    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
+        served = inner.get_unscaled_state(p, "exp_avg")
+        master = inner.get_unscaled_state(p, "master_param")
+        assert off.snapshots.filling(served) and off.snapshots.filling(master)  # (no wait for either)
+        assert master is inner.state[p]["master_param"]
+        inner.state[p]["exp_avg_sq"].mul_(1)  # written in place: TE's own conversion, of the host copy
+        fresh = inner.get_unscaled_state(p, "exp_avg_sq")
+        assert not any(off.snapshots.filling(t) for t in (served, master)) and not fresh.is_shared()
+        assert torch.equal(fresh, inner.state[p]["exp_avg_sq"].float().mul_(inner._scales[p]["exp_avg_sq"]))
+    coord.close()
 
 
 def test_served_unscaled_states_stay_current_or_are_not_served():

@@ -528,7 +528,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
                               snapshots=sum(whole), every_one=all(w or v for w, v in zip(whole, views)),
                               names=[n for n, _ in named])
             if background:  # (nothing may read them until their fill is done)
-                fills[step] = coord.claim_snapshot_fills()
+                fills[step] = coord.pending_snapshot_fills()
             else:
                 seen[step].update(digest=digest(model, optimizer), state=tensors_digest(tensors))
             # The writer's request: the tensors themselves (snapshots), copies of the views.

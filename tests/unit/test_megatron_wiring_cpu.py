@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -656,29 +657,38 @@ def test_async_save_and_fully_parallel_load_reach_the_config():
     assert not megatron_args.config_from_args(args).async_save_snapshots
 
 
-def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait(monkeypatch):
-    """megatron-core's `AsyncCallsQueue.schedule_async_request`, wrapped: with background fills
-    unclaimed, the writer's function is `save_snapshot.writer_waits` on their flags around the
-    original, a finalize function that checks them comes first, and the request is handed over
-    under torch's file_system sharing (restored after); a request without a wait for its worker
-    (no preload) is scheduled as it is once the fills finished here; without fills nothing changes."""
+def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
+    """megatron-core's `AsyncCallsQueue.schedule_async_request`, wrapped (megatron_saves): with
+    background fills configured, every request gets a first finalize function that checks them
+    on every rank (none pending included); with fills pending, the writer's function is
+    `save_snapshot.writer_waits` on their flags around the original and the request is handed
+    over under torch's file_system sharing (restored after); a pending fill is handed to every
+    request until it is done; a request without a wait for its worker (no preload) is scheduled
+    once the fills finished here; `AsyncRequest.execute_sync` (a synchronous save) waits for
+    them; without the configuration nothing changes."""
     import functools
     import threading
 
     import torch.multiprocessing as mp
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-    from megatron_offload import megatron_wiring, save_snapshot
+    from megatron_offload import megatron_saves, save_snapshot
+    from megatron_offload.config import OffloadConfig
     from megatron_offload.save_snapshot import SaveSnapshots
 
     snaps = SaveSnapshots(check=lambda n: None)
     snaps.background = True
 
     class Coord:
-        def claim_snapshot_fills(self):
-            return snaps.claim_fills()
+        config = OffloadConfig(async_save_snapshots=True, async_save_background_fill=True)
 
-    monkeypatch.setattr(megatron_wiring, "coordinator", Coord())
+        def pending_snapshot_fills(self):
+            return snaps.pending_fills()
+
+        def wait_snapshots_filled(self):
+            snaps.wait_filled()
+
+    current = [Coord()]
     scheduled = []
 
     def original(queue, request):
@@ -691,38 +701,50 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait(mon
     def finalize():
         pass
 
-    schedule = megatron_wiring._wrap_schedule_async_request(original)
+    schedule = megatron_saves._wrap_schedule_async_request(original, lambda: current[0])
     request = AsyncRequest(write, (1, 2), [finalize], async_fn_kwargs={"k": 3}, preload_fn=lambda: None)
     before = mp.get_sharing_strategy()
-    assert schedule(None, request) == 7 and scheduled[-1] == (request, before)  # nothing filling
-    gate = threading.Event()
-    snaps.take([torch.ones(8)], before=gate.wait)
-    schedule(None, request)
+    assert schedule(None, request) == 7  # nothing filling: the check only
     sent, strategy = scheduled[-1]
-    assert strategy == "file_system" and mp.get_sharing_strategy() == before
-    assert isinstance(sent.async_fn, functools.partial) and sent.async_fn.func is save_snapshot.writer_waits
-    (flag,), inner = sent.async_fn.args
-    assert inner is write and int(flag[0]) == 0
-    assert sent.finalize_fns[1:] == [finalize] and sent.finalize_fns[0].func is save_snapshot.check_written
+    assert strategy == before and sent.async_fn is write and sent.finalize_fns[1:] == [finalize]
+    assert sent.finalize_fns[0].func is save_snapshot.check_written and sent.finalize_fns[0].args == ([],)
+    gate = threading.Event()
+    snaps.take([torch.ones(8)], before=gate.wait, background=True)
+    for _ in range(2):  # (a second save before the fill is done waits for it too)
+        schedule(None, request)
+        sent, strategy = scheduled[-1]
+        assert strategy == "file_system" and mp.get_sharing_strategy() == before
+        assert isinstance(sent.async_fn, functools.partial) and sent.async_fn.func is save_snapshot.writer_waits
+        (flag,), inner = sent.async_fn.args
+        assert inner is write and int(flag[0]) == 0
+        assert sent.finalize_fns[1:] == [finalize] and sent.finalize_fns[0].func is save_snapshot.check_written
     gate.set()
     assert sent.async_fn(*sent.async_fn_args, **sent.async_fn_kwargs) == ("wrote", (1, 2), {"k": 3})
     sent.finalize_fns[0]()
-    assert snaps.claim_fills() == []  # (each fill is handed to one request)
-    gate = threading.Event()
-    snaps.take([torch.ones(8)], before=lambda: gate.wait(0.2))
+    assert snaps.pending_fills() == []
+    snaps.take([torch.ones(8)], before=lambda: time.sleep(0.2), background=True)
     plain = request._replace(preload_fn=None)
     schedule(None, plain)
-    assert scheduled[-1] == (plain, before) and all(f.done for f in snaps._fills)  # (waited for here)
+    assert scheduled[-1][0].async_fn is write and all(f.done for f in snaps._fills)  # (waited for here)
+    ran = []
+    execute = megatron_saves._wrap_execute_sync(lambda r: ran.append(all(f.done for f in snaps._fills)),
+                                                lambda: current[0])
+    snaps.take([torch.ones(8)], before=lambda: time.sleep(0.2), background=True)
+    execute(request)
+    assert ran == [True]
+    current[0] = None
+    schedule(None, request)
+    assert scheduled[-1] == (request, before)
 
 
 def test_what_dist_checkpointing_reads_before_its_writer_runs():
-    """`_read_before_the_writer`: a plain ShardedTensor over a whole contiguous storage goes to the
+    """`read_before_the_writer`: a plain ShardedTensor over a whole contiguous storage goes to the
     writer as it is; a view is cloned, a non-contiguous tensor copied, a factory built, an object
     pickled, a plain tensor saved in this process: their tensors are reported."""
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
-    from megatron_offload.megatron_wiring import _read_before_the_writer
+    from megatron_offload.megatron_saves import read_before_the_writer
 
     whole, base, grid = torch.zeros(8), torch.zeros(16), torch.zeros(4, 4)
     factory = ShardedTensorFactory("f", torch.zeros(8), lambda *a: None, lambda *a: None, replica_id=0)
@@ -732,7 +754,7 @@ def test_what_dist_checkpointing_reads_before_its_writer_runs():
              "factory": factory,
              "object": ShardedObject("o", {"t": torch.ones(2)}, (1,), (0,), replica_id=0),
              "plain": torch.ones(3)}
-    read = [t.untyped_storage().data_ptr() for t in _read_before_the_writer(state)]
+    read = [t.untyped_storage().data_ptr() for t in read_before_the_writer(state)]
     expected = [base, grid, factory.data, state["object"].data["t"], state["plain"]]
     assert read == [t.untyped_storage().data_ptr() for t in expected]
 

@@ -160,24 +160,25 @@ def test_only_large_tensors_get_snapshots_unless_filled_in_the_background():
 def gated_take(snaps, src):
     """`take` in the background whose fill waits until the returned gate is set."""
     gate = threading.Event()
-    got = snaps.take(src, before=lambda: gate.wait(10))
+    got = snaps.take(src, before=lambda: gate.wait(10), background=True)
     return got, gate
 
 
 def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
     """[Note: background fill]: `take` returns before the copy; the writer's function
     (`writer_waits`, in the writer's process) runs only once the fill's flag is set, and then
-    reads every source byte; the set counts as held while it fills; the fill is handed to one
-    writer only; the snapshots are shared by name and cross by name under `handed_over_by_name`
-    (no copy into new shared memory)."""
+    reads every source byte; the set counts as held while it fills; the fill is pending for every
+    request until it is done (a second save before the next forward reads the same set); the
+    snapshots are shared by name and cross by name under `handed_over_by_name` (no copy into new
+    shared memory)."""
     from torch.multiprocessing.reductions import reduce_storage
 
     snaps = SaveSnapshots(check=lambda n: None)
     snaps.background = True
     src = sources(0)
     got, gate = gated_take(snaps, src)
-    (fill,) = snaps.claim_fills()
-    assert snaps.claim_fills() == []
+    (fill,) = snaps.pending_fills()
+    assert snaps.pending_fills() == [fill]
     assert int(fill.flag[0]) == 0 and not fill.done and snaps.filling(got[0]) and snaps.filling(got[1][5:])
     assert not snaps.filling(src[0])
     ptrs = [t.untyped_storage().data_ptr() for t in got]
@@ -195,7 +196,7 @@ def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
     assert len(seen) == 1 and seen[0][:2] == ((), {"x": 1})
     assert all(torch.equal(a, b) for a, b in zip(seen[0][2], src))
     snaps.wait_filled()
-    assert int(fill.flag[0]) == 1 and not snaps.filling(snaps._sets[0].tensors[0])
+    assert int(fill.flag[0]) == 1 and not snaps.filling(snaps._sets[0].tensors[0]) and snaps.pending_fills() == []
     save_snapshot.check_written([fill])
     assert not snaps._sets[0].in_use()
     with save_snapshot.handed_over_by_name():
@@ -212,15 +213,14 @@ def test_a_failed_fill_fails_the_save_and_the_writer_does_not_hang():
     def broken():
         raise OSError("no")
 
-    snaps.take(sources(0), before=broken)
-    (fill,) = snaps.claim_fills()
+    snaps.take(sources(0), before=broken, background=True)
+    (fill,) = snaps.pending_fills()
     assert save_snapshot.writer_waits([fill.flag], lambda: "written") == "written"
     assert int(fill.flag[0]) == -1
-    with pytest.raises(RuntimeError, match="must not be used"):
+    with pytest.raises(RuntimeError, match="filling .* must not be used"):
         save_snapshot.check_written([fill])
-    with pytest.raises(RuntimeError, match="filling"):
-        snaps.wait_filled()
-    snaps.wait_filled()  # (reported once)
+    snaps.wait_filled()  # (never raises: whatever rewrites the sources goes on)
+    assert snaps.pending_fills() == [fill]  # every later save that may read the set fails too
 
 
 def test_a_writer_that_stops_waiting_fails_the_save(monkeypatch):
@@ -228,12 +228,76 @@ def test_a_writer_that_stops_waiting_fails_the_save(monkeypatch):
     snaps = SaveSnapshots(check=lambda n: None)
     snaps.background = True
     _, gate = gated_take(snaps, sources(0))
-    (fill,) = snaps.claim_fills()
+    (fill,) = snaps.pending_fills()
     assert save_snapshot.writer_waits([fill.flag], lambda: "written") == "written"
     gate.set()
     fill.wait()  # (the fill itself succeeded, after the writer gave up)
     with pytest.raises(RuntimeError, match="stopped waiting"):
         save_snapshot.check_written([fill])
+
+
+def test_a_reader_of_values_gets_its_snapshots_filled_in_background_mode_too():
+    """A `take` not marked background (a reader that reads the values itself) fills before it
+    returns, also where the sets are made for background fills; nothing is left pending."""
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.background = True
+    src = sources(0)
+    seen = []
+    got = snaps.take(src, before=lambda: seen.append(threading.current_thread()))
+    assert seen == [threading.current_thread()] and snaps.pending_fills() == []
+    assert all(torch.equal(a, b) for a, b in zip(got, src))
+
+
+def _check_on_rank(rank, port, out):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        snaps = SaveSnapshots(check=lambda n: None)
+        snaps.background = True
+        results = []
+        for failing in (False, True):  # a clean save, then one whose fill fails on rank 0 only
+            if failing and rank == 0:
+                def broken():
+                    raise OSError("no")
+
+                snaps.take(sources(0), before=broken, background=True)
+            elif rank == 0:
+                snaps.take(sources(0), background=True)
+            fills = snaps.pending_fills()
+            for fill in fills:
+                fill.join()
+            try:
+                save_snapshot.check_written(fills)
+                results.append("passed")
+            except RuntimeError as err:
+                results.append("raised: " + ("another rank" if "another rank" in str(err) else "here"))
+        out.put((rank, results))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_fill_failed_on_one_rank_fails_the_save_on_every_rank():
+    """`check_written` is collective: a rank whose own fills are fine (or that has none) raises
+    too, instead of waiting in megatron-core's collective finalize for the rank that raised."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_check_on_rank, args=(r, port, out), daemon=True) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    assert got == {0: ["passed", "raised: here"], 1: ["passed", "raised: another rank"]}, got
 
 
 def test_what_rewrites_or_frees_the_sources_waits_for_the_fill():
