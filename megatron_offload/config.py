@@ -63,7 +63,7 @@ class OffloadConfig:
     # finalized: large tensors are read from shared-memory snapshots (save_snapshot.py)
     async_save_snapshots: bool = False
     # ... filled in the background, every state tensor, shared by file name: whoever hands them to
-    # the writer makes it wait for the fill (megatron_wiring does, for megatron-core's queue; see
+    # the writer makes it wait for the fill (megatron_saves does, for megatron-core's queue; see
     # [Note: background fill] in save_snapshot.py)
     async_save_background_fill: bool = False
     per_step: bool = True  # offload after every step (the flag); False: phase switches only (phase_switch.py)

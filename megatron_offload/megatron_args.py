@@ -277,6 +277,6 @@ def config_from_args(args) -> OffloadConfig:
         # Snapshots rely on the request's lifetime in megatron-core's own queue (`mcore`); other
         # strategies (nvidia-resiliency-ext's) read the views, which the writer copies.
         async_save_snapshots=snapshots,
-        # ... whose requests megatron_wiring makes wait for their snapshots (filled meanwhile).
+        # ... whose requests megatron_saves makes wait for their snapshots (filled meanwhile).
         async_save_background_fill=snapshots and global_saves_only,
     ), **DIAGNOSTICS)

@@ -22,18 +22,18 @@ save finds the first still held by one writing (so up to twice those bytes, kept
 buffer's views, which the writer copies itself.
 
 [Note: background fill]
-With `background` (megatron_wiring sets it for megatron-core's own strategy), a `take` for a reader
+With `background` (OffloadConfig.async_save_background_fill, for megatron-core's own strategy), a `take` for a reader
 that only collects references returns at once and the copy runs in a thread of its own, after
 the copy-out it reads has finished (`before`): training goes on through the rest of the save
 while the set fills. Everything that reads a set waits for its fill first:
-* the checkpoint writer: megatron_wiring hands the writer's function to megatron-core wrapped in
+* the checkpoint writer: megatron_saves hands the writer's function to megatron-core wrapped in
   `writer_waits`, which polls the flags of every fill not known to be done (`pending_fills`: a
   second save before the next forward reads the first one's set again) in the writer's process,
   and adds a finalize function, on every rank, that fails the save on every rank if any rank's
   fill failed (`check_written`);
 * readers in this process that read values rather than take references (a gather of the state,
   TE's unscaling of 16-bit states, a copy of a view of a snapshot): `wait_filled`, called by
-  their wrappers (state_access.py, host_copies.py, megatron_wiring);
+  their wrappers (state_access.py, host_copies.py, megatron_saves);
 * anything that rewrites or frees what a fill reads (the next copy-out into the pinned buffer, a
   load into it, a re-pack, `close`): `wait_filled` too, which never raises (a failed fill fails
   the saves that read it, through `check_written`, not the step that comes next).
@@ -253,7 +253,7 @@ class Fill:
 
 def writer_waits(flags: List[torch.Tensor], write: Callable, *args, **kwargs):
     """Call `write(*args, **kwargs)` once every flag is set (`Fill.flag`): run in the checkpoint
-    writer's process, as the writer's function (megatron_wiring wraps megatron-core's request in
+    writer's process, as the writer's function (megatron_saves wraps megatron-core's request in
     it). Never raises for a failed or late fill (that would end megatron-core's worker loop, and a
     blocking finalize would wait for ever): it writes after FILL_TIMEOUT_S anyway, and the
     training process refuses to finalize that save (`check_written`, a finalize function)."""
