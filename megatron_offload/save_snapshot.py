@@ -36,7 +36,7 @@ while the set fills. Everything that reads a set waits for its fill first:
   their wrappers (state_access.py, host_copies.py, megatron_saves);
 * anything that rewrites or frees what a fill reads (the next copy-out into the pinned buffer, a
   load into it, a re-pack, `close`): `wait_filled` too, which never raises (a failed fill fails
-  the saves that read it, through `check_written`, not the step that comes next).
+  every later save, through `check_written`, not the step that comes next).
 In this mode every state tensor gets a snapshot (small ones too: a view would be cloned, a
 read, by dist-checkpointing before the request is scheduled), and sets are shared by file name
 (torch's `file_system` strategy, which `handed_over_by_name` selects while a request is handed
@@ -81,7 +81,7 @@ BACKGROUND_COPY_THREADS = 1
 # File descriptors left to everything else when sets are made (each snapshot keeps one open).
 FD_MARGIN = 512
 # The writer's wait for a background fill (`writer_waits`): poll interval, and how long it waits
-# before it writes anyway (the training process then refuses to finalize the save: `Fill.wait`).
+# before it writes anyway (the training process then refuses to finalize the save: `check_written`).
 FILL_POLL_S = 0.001
 FILL_TIMEOUT_S = 600.0
 
@@ -404,7 +404,7 @@ class SaveSnapshots:
     def wait_filled(self) -> None:
         """Block until every background fill has finished: before anything reads a set's values
         in this process, or rewrites or frees what a fill reads. Never raises: a failed fill
-        stays pending, and every save that reads it fails (`check_written`)."""
+        stays pending, and every later save fails (`check_written`, on every rank)."""
         for fill in self._fills:
             fill.join()
         self._fills = [f for f in self._fills if f.error is not None]
