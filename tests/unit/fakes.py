@@ -417,3 +417,26 @@ def make_coordinator(device=None, **kw):
     config = OffloadConfig(**{k: kw.pop(k) for k in list(kw) if k in config_fields})
     probes = AllocatorProbes(**{k: kw.pop(k) for k in list(kw) if k in probe_fields})
     return OffloadCoordinator(config, device=device, probes=probes, **kw)
+
+
+def run_on_gloo_ranks(target, world, *args):
+    """`target(rank, world, port, *args, out)` in `world` spawned processes (each joins a gloo
+    group on `port` and puts (rank, result) on `out`); {rank: result}."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out), daemon=True) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        return dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()

@@ -862,7 +862,8 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
     from test_offloader_cpu import CPU, make_coord, one_iteration
 
     slow = save_snapshot._fill_pieces
-    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.2), slow(*a)))
+    # (long enough that nothing but a wait sees a fill done, even on a loaded machine)
+    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.5), slow(*a)))
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
     coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=True, async_save_snapshots=True,
                        async_save_background_fill=True)
@@ -995,7 +996,7 @@ def test_te_reads_16_bit_states_only_once_a_background_fill_is_done(monkeypatch)
     from test_offloader_cpu import make_coord, one_iteration
 
     slow = save_snapshot._fill_pieces
-    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.3), slow(*a)))
+    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.6), slow(*a)))
     opt = MegatronShapedPrecisionAware(numels=MANY, moment_dtype=torch.float16)
     coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True, async_save_background_fill=True)
     off = coord.add_optimizer(opt)

@@ -775,25 +775,10 @@ def _smallest_on_rank(rank, world, port, values, out):
 def test_the_automatic_fraction_is_agreed_by_every_rank_of_the_job():
     """Pipeline stages wait for each other: a stage that offloads more than another's free share
     stalls it (see [Note: group agreement] in docs/design.md)."""
-    import socket
+    from fakes import run_on_gloo_ranks
 
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     values = [1.0, 0.9, 0.5, 0.6]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_smallest_on_rank, args=(r, 4, port, values, out), daemon=True) for r in range(4)]
-    try:
-        for p in procs:
-            p.start()
-        got = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+    got = run_on_gloo_ranks(_smallest_on_rank, 4, values)
     assert got == {r: 0.5 for r in range(4)}
     assert auto_fraction.smallest_over_job() is None  # (outside torch.distributed)
 

@@ -248,9 +248,9 @@ def test_a_reader_of_values_gets_its_snapshots_filled_in_background_mode_too():
     assert all(torch.equal(a, b) for a, b in zip(got, src))
 
 
-def _check_on_rank(rank, port, out):
+def _check_on_rank(rank, world, port, out):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         snaps = SaveSnapshots(check=lambda n: None)
         snaps.background = True
@@ -279,24 +279,9 @@ def _check_on_rank(rank, port, out):
 def test_a_fill_failed_on_one_rank_fails_the_save_on_every_rank():
     """`check_written` is collective: a rank whose own fills are fine (or that has none) raises
     too, instead of waiting in megatron-core's collective finalize for the rank that raised."""
-    import socket
+    from fakes import run_on_gloo_ranks
 
-    import torch.multiprocessing as mp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_check_on_rank, args=(r, port, out), daemon=True) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        got = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+    got = run_on_gloo_ranks(_check_on_rank, 2)
     assert got == {0: ["passed", "raised: here"], 1: ["passed", "raised: another rank"]}, got
 
 
