@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import save_snapshot
+from . import snapshot_fill
 
 
 def read_before_the_writer(value) -> Iterator[torch.Tensor]:
@@ -51,8 +51,8 @@ def wait_if_the_save_reads_snapshots(coord, state) -> None:
 def _wrap_schedule_async_request(original, current: Callable):
     """With background fills configured, every request megatron-core schedules gets, on every
     rank, a first finalize function that fails the save on all ranks if any rank's fill failed
-    (`save_snapshot.check_written`); where fills are pending, the writer's function waits for
-    their flags first (`save_snapshot.writer_waits`) and the request crosses to the writer with
+    (`snapshot_fill.check_written`); where fills are pending, the writer's function waits for
+    their flags first (`snapshot_fill.writer_waits`) and the request crosses to the writer with
     its snapshots by name."""
 
     @functools.wraps(original)
@@ -62,7 +62,7 @@ def _wrap_schedule_async_request(original, current: Callable):
             return original(queue, async_request, *a, **k)
         fills = coord.pending_snapshot_fills()
         async_request = async_request._replace(
-            finalize_fns=[functools.partial(save_snapshot.check_written, fills), *async_request.finalize_fns])
+            finalize_fns=[functools.partial(snapshot_fill.check_written, fills), *async_request.finalize_fns])
         if not fills:
             return original(queue, async_request, *a, **k)
         if async_request.async_fn is None or getattr(async_request, "preload_fn", None) is None:
@@ -72,9 +72,9 @@ def _wrap_schedule_async_request(original, current: Callable):
                 fill.join()
             return original(queue, async_request, *a, **k)
         async_request = async_request._replace(
-            async_fn=functools.partial(save_snapshot.writer_waits, [f.flag for f in fills], async_request.async_fn))
+            async_fn=functools.partial(snapshot_fill.writer_waits, [f.flag for f in fills], async_request.async_fn))
         # (megatron-core's persistent worker takes the request before this returns: pickled by then)
-        with save_snapshot.handed_over_by_name():
+        with snapshot_fill.handed_over_by_name():
             return original(queue, async_request, *a, **k)
 
     return wrapper
@@ -89,7 +89,7 @@ def _wrap_execute_sync(original, current: Callable):
         coord = current()
         if coord is not None and coord.config.async_save_background_fill:
             coord.wait_snapshots_filled()
-            save_snapshot.check_written(coord.pending_snapshot_fills())
+            snapshot_fill.check_written(coord.pending_snapshot_fills())
         return original(async_request, *a, **k)
 
     return wrapper

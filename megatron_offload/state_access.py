@@ -86,8 +86,8 @@ class StateAccess:
         return sum(off.snapshots.nbytes for off in self.offloaders)
 
     def pending_snapshot_fills(self) -> list:
-        """The background snapshot fills (save_snapshot.Fill) not known to have succeeded: a
-        checkpoint writer handed a request now waits for them (`save_snapshot.writer_waits`)."""
+        """The background snapshot fills (snapshot_fill.Fill) not known to have succeeded: a
+        checkpoint writer handed a request now waits for them (`snapshot_fill.writer_waits`)."""
         return [fill for off in self.offloaders for fill in off.snapshots.pending_fills()]
 
     def snapshot_filling(self, tensor) -> bool:

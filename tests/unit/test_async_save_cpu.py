@@ -185,10 +185,10 @@ BACKGROUND_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
 
 
     def child(channel, out):
-        from megatron_offload import save_snapshot
+        from megatron_offload import snapshot_fill
         flag, snap = channel.get()
         out.put("received")
-        save_snapshot.writer_waits([flag], lambda: out.put((time.time(), float(snap.sum()))))
+        snapshot_fill.writer_waits([flag], lambda: out.put((time.time(), float(snap.sum()))))
 
 
     def main():
@@ -196,7 +196,7 @@ BACKGROUND_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
         from megatron.core import dist_checkpointing
         from megatron.core.dist_checkpointing import ShardedTensor
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-        from megatron_offload import megatron_saves, megatron_wiring, save_snapshot
+        from megatron_offload import megatron_saves, megatron_wiring, snapshot_fill
         from megatron_offload.config import OffloadConfig
         from megatron_offload.save_snapshot import SaveSnapshots
 
@@ -245,7 +245,7 @@ BACKGROUND_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
         (snap,) = snapshots.take([torch.full((2048,), 5.0)], before=lambda: gate.wait(60), background=True)
         (fill,) = snapshots.pending_fills()
         ptr = snap.untyped_storage().data_ptr()
-        with save_snapshot.handed_over_by_name():
+        with snapshot_fill.handed_over_by_name():
             channel.put((fill.flag, snap))
             assert out.get(timeout=120) == "received"  # (pickled by the queue's feeder thread)
         time.sleep(0.5)

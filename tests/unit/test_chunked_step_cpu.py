@@ -856,14 +856,14 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
     gets the state as it was at the save, and training stays bit-exact."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from megatron_offload import save_snapshot
+    from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
     from megatron_offload.megatron_wiring import _wrap_state_access
     from test_offloader_cpu import CPU, make_coord, one_iteration
 
-    slow = save_snapshot._fill_pieces
+    slow = snapshot_fill.fill_pieces
     # (long enough that nothing but a wait sees a fill done, even on a loaded machine)
-    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.5), slow(*a)))
+    monkeypatch.setattr(snapshot_fill, "fill_pieces", lambda *a: (time.sleep(0.5), slow(*a)))
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
     coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=True, async_save_snapshots=True,
                        async_save_background_fill=True)
@@ -905,7 +905,7 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
         handed = {k: v.data.view(-1) for k, v in sharded.items()}
         fills = coord.pending_snapshot_fills()
         written = {}
-        writer = threading.Thread(target=save_snapshot.writer_waits, args=(
+        writer = threading.Thread(target=snapshot_fill.writer_waits, args=(
             [f.flag for f in fills], lambda: written.update({k: v.clone() for k, v in handed.items()})))
         writer.start()
         for _ in range(2):  # training goes on at once: the copy-outs wait for the fill
@@ -914,7 +914,7 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
             iteration(opt, coord, step)
             step += 1
         writer.join(10)
-        save_snapshot.check_written(fills)
+        snapshot_fill.check_written(fills)
         assert_bitwise_equal(written, {k: (v[1:] if view else v) for k, v in expected.items()})
         del sharded, written, handed
     coord.close()
@@ -992,11 +992,11 @@ def test_te_reads_16_bit_states_only_once_a_background_fill_is_done(monkeypatch)
     served fp32 snapshot at once (still filling: the writer waits for it) and an fp32 state as it
     is, but an fp16 state it converts itself (here one written in place, so no longer served)
     is read only once the fill is done."""
-    from megatron_offload import save_snapshot
+    from megatron_offload import snapshot_fill
     from test_offloader_cpu import make_coord, one_iteration
 
-    slow = save_snapshot._fill_pieces
-    monkeypatch.setattr(save_snapshot, "_fill_pieces", lambda *a: (time.sleep(0.6), slow(*a)))
+    slow = snapshot_fill.fill_pieces
+    monkeypatch.setattr(snapshot_fill, "fill_pieces", lambda *a: (time.sleep(0.6), slow(*a)))
     opt = MegatronShapedPrecisionAware(numels=MANY, moment_dtype=torch.float16)
     coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True, async_save_background_fill=True)
     off = coord.add_optimizer(opt)

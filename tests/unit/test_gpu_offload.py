@@ -500,7 +500,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     it was read; training stays bit-exact. `background` (async_save_background_fill): the save
     only takes references (every tensor a snapshot), its copy-out and the snapshots' fill finish
     in a thread while training goes on at once, and what it kept is read only at the end, after
-    the fills, as megatron-core's writer does (`save_snapshot.writer_waits`)."""
+    the fills, as megatron-core's writer does (`snapshot_fill.writer_waits`)."""
     ref_losses, _, ref_digest = reference()
     ref_model, ref_opt = build()
     saved_ref, state_ref = {}, {}

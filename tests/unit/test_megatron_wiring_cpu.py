@@ -661,7 +661,7 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     """megatron-core's `AsyncCallsQueue.schedule_async_request`, wrapped (megatron_saves): with
     background fills configured, every request gets a first finalize function that checks them
     on every rank (none pending included); with fills pending, the writer's function is
-    `save_snapshot.writer_waits` on their flags around the original and the request is handed
+    `snapshot_fill.writer_waits` on their flags around the original and the request is handed
     over under torch's file_system sharing (restored after); a pending fill is handed to every
     request until it is done; a request without a wait for its worker (no preload) is scheduled
     once the fills finished here; `AsyncRequest.execute_sync` (a synchronous save) waits for
@@ -672,7 +672,7 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     import torch.multiprocessing as mp
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-    from megatron_offload import megatron_saves, save_snapshot
+    from megatron_offload import megatron_saves, snapshot_fill
     from megatron_offload.config import OffloadConfig
     from megatron_offload.save_snapshot import SaveSnapshots
 
@@ -707,17 +707,17 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     assert schedule(None, request) == 7  # nothing filling: the check only
     sent, strategy = scheduled[-1]
     assert strategy == before and sent.async_fn is write and sent.finalize_fns[1:] == [finalize]
-    assert sent.finalize_fns[0].func is save_snapshot.check_written and sent.finalize_fns[0].args == ([],)
+    assert sent.finalize_fns[0].func is snapshot_fill.check_written and sent.finalize_fns[0].args == ([],)
     gate = threading.Event()
     snaps.take([torch.ones(8)], before=gate.wait, background=True)
     for _ in range(2):  # (a second save before the fill is done waits for it too)
         schedule(None, request)
         sent, strategy = scheduled[-1]
         assert strategy == "file_system" and mp.get_sharing_strategy() == before
-        assert isinstance(sent.async_fn, functools.partial) and sent.async_fn.func is save_snapshot.writer_waits
+        assert isinstance(sent.async_fn, functools.partial) and sent.async_fn.func is snapshot_fill.writer_waits
         (flag,), inner = sent.async_fn.args
         assert inner is write and int(flag[0]) == 0
-        assert sent.finalize_fns[1:] == [finalize] and sent.finalize_fns[0].func is save_snapshot.check_written
+        assert sent.finalize_fns[1:] == [finalize] and sent.finalize_fns[0].func is snapshot_fill.check_written
     gate.set()
     assert sent.async_fn(*sent.async_fn_args, **sent.async_fn_kwargs) == ("wrote", (1, 2), {"k": 3})
     sent.finalize_fns[0]()

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from megatron_offload import save_snapshot
+from megatron_offload import save_snapshot, snapshot_fill
 from megatron_offload.host_memory import HostMemoryError
 from megatron_offload.save_snapshot import SaveSnapshots
 
@@ -185,7 +185,7 @@ def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
     del got
     assert snaps._sets[0].in_use()  # (the fill's own pieces: no later save may take the set)
     seen = []
-    writer = threading.Thread(target=save_snapshot.writer_waits,
+    writer = threading.Thread(target=snapshot_fill.writer_waits,
                               args=([fill.flag], lambda *a, **k: seen.append((a, k, [t.clone() for t in snaps._sets[0].tensors]))),
                               kwargs={"x": 1})
     writer.start()
@@ -197,9 +197,9 @@ def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
     assert all(torch.equal(a, b) for a, b in zip(seen[0][2], src))
     snaps.wait_filled()
     assert int(fill.flag[0]) == 1 and not snaps.filling(snaps._sets[0].tensors[0]) and snaps.pending_fills() == []
-    save_snapshot.check_written([fill])
+    snapshot_fill.check_written([fill])
     assert not snaps._sets[0].in_use()
-    with save_snapshot.handed_over_by_name():
+    with snapshot_fill.handed_over_by_name():
         rebuild = reduce_storage(snaps._sets[0].tensors[0].untyped_storage())[0]
     assert rebuild.__name__ == "rebuild_storage_filename"
     assert [t.untyped_storage().data_ptr() for t in snaps._sets[0].tensors] == ptrs
@@ -215,25 +215,25 @@ def test_a_failed_fill_fails_the_save_and_the_writer_does_not_hang():
 
     snaps.take(sources(0), before=broken, background=True)
     (fill,) = snaps.pending_fills()
-    assert save_snapshot.writer_waits([fill.flag], lambda: "written") == "written"
+    assert snapshot_fill.writer_waits([fill.flag], lambda: "written") == "written"
     assert int(fill.flag[0]) == -1
     with pytest.raises(RuntimeError, match="filling .* must not be used"):
-        save_snapshot.check_written([fill])
+        snapshot_fill.check_written([fill])
     snaps.wait_filled()  # (never raises: whatever rewrites the sources goes on)
     assert snaps.pending_fills() == [fill]  # every later save that may read the set fails too
 
 
 def test_a_writer_that_stops_waiting_fails_the_save(monkeypatch):
-    monkeypatch.setattr(save_snapshot, "FILL_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(snapshot_fill, "FILL_TIMEOUT_S", 0.05)
     snaps = SaveSnapshots(check=lambda n: None)
     snaps.background = True
     _, gate = gated_take(snaps, sources(0))
     (fill,) = snaps.pending_fills()
-    assert save_snapshot.writer_waits([fill.flag], lambda: "written") == "written"
+    assert snapshot_fill.writer_waits([fill.flag], lambda: "written") == "written"
     gate.set()
     fill.wait()  # (the fill itself succeeded, after the writer gave up)
     with pytest.raises(RuntimeError, match="stopped waiting"):
-        save_snapshot.check_written([fill])
+        snapshot_fill.check_written([fill])
 
 
 def test_a_reader_of_values_gets_its_snapshots_filled_in_background_mode_too():
@@ -267,7 +267,7 @@ def _check_on_rank(rank, world, port, out):
             for fill in fills:
                 fill.join()
             try:
-                save_snapshot.check_written(fills)
+                snapshot_fill.check_written(fills)
                 results.append("passed")
             except RuntimeError as err:
                 results.append("raised: " + ("another rank" if "another rank" in str(err) else "here"))
