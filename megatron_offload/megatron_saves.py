@@ -53,7 +53,7 @@ def _wrap_schedule_async_request(original, current: Callable):
     rank, a first finalize function that fails the save on all ranks if any rank's fill failed
     (`snapshot_fill.check_written`); where fills are pending, the writer's function waits for
     their flags first (`snapshot_fill.writer_waits`) and the request crosses to the writer with
-    its snapshots by name."""
+    its snapshots by name, and the fills start once it is there."""
 
     @functools.wraps(original)
     def wrapper(queue, async_request, *a, **k):
@@ -73,9 +73,15 @@ def _wrap_schedule_async_request(original, current: Callable):
             return original(queue, async_request, *a, **k)
         async_request = async_request._replace(
             async_fn=functools.partial(snapshot_fill.writer_waits, [f.flag for f in fills], async_request.async_fn))
-        # (megatron-core's persistent worker takes the request before this returns: pickled by then)
-        with snapshot_fill.handed_over_by_name():
-            return original(queue, async_request, *a, **k)
+        try:
+            # (megatron-core's persistent worker takes the request before this returns: pickled by then)
+            with snapshot_fill.handed_over_by_name():
+                return original(queue, async_request, *a, **k)
+        finally:
+            # Why: started only now, the copies do not compete with the save's planning above,
+            # which the training thread waits for; the writer waits for the flags meanwhile.
+            for fill in fills:
+                fill.start()
 
     return wrapper
 

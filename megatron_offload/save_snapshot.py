@@ -24,8 +24,8 @@ buffer's views, which the writer copies itself.
 [Note: background fill]
 With `background` (OffloadConfig.async_save_background_fill, for megatron-core's own strategy), a `take` for a reader
 that only collects references returns at once and the copy runs in a thread of its own, after
-the copy-out it reads has finished (`before`): training goes on through the rest of the save
-while the set fills. Everything that reads a set waits for its fill first:
+the copy-out it reads has finished (`before`), from when the save's request is with the writer
+(`start_fills`; any wait starts it earlier): training goes on while the set fills. Everything that reads a set waits for its fill first:
 * the checkpoint writer: megatron_saves hands the writer's function to megatron-core wrapped in
   `snapshot_fill.writer_waits`, which polls the flags of every fill not known to be done (`pending_fills`: a
   second save before the next forward reads the first one's set again) in the writer's process,
@@ -76,6 +76,10 @@ COPY_THREADS = 8
 # several threads each starting their own parallel copies contend with the training thread, which
 # goes on meanwhile (a blocking fill may use them: nothing else runs then).
 BACKGROUND_COPY_THREADS = 1
+# A background fill starts when its save's request has been handed to the writer
+# (`SaveSnapshots.start_fills`, called by megatron_saves), not in `take`: a copy running beside
+# dist-checkpointing's planning slows it down, and the training thread waits for that. True: in `take`.
+BACKGROUND_FILL_AT_TAKE = False
 # File descriptors left to everything else when sets are made (each snapshot keeps one open).
 FD_MARGIN = 512
 
@@ -186,6 +190,7 @@ class SaveSnapshots:
         self._warned = False
         self.collections = 0  # garbage collections `take` ran to free a set, and their host time
         self.collect_seconds = 0.0
+        self.fill_wait_seconds = 0.0  # host time `wait_filled` blocked for background fills not done
 
     def selects(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` gets a snapshot (else the save reads the buffer's view)."""
@@ -219,8 +224,9 @@ class SaveSnapshots:
         computed piece by piece (the same conversion and the same fp32 multiply per element, so
         the same bits). None if no set is free and none can be made: the caller hands out the
         sources themselves. `before` (the copy-out the sources wait for) runs first; with
-        `background` (a reader that only collects references) both run in a thread and the
-        copies are valid only once it has finished ([Note: background fill])."""
+        `background` (a reader that only collects references) both run in a thread, started by
+        `start_fills` or any wait, and the copies are valid only once it has finished
+        ([Note: background fill])."""
         if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
             self._warn("this torch does not expose storage reference counts")
             return None
@@ -253,19 +259,28 @@ class SaveSnapshots:
                 return None
         pieces = self._pieces(chosen.tensors, sources, as_fp32)
         if background:
-            self._fills.append(Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before))
+            self._fills.append(Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before,
+                                    start=BACKGROUND_FILL_AT_TAKE))
         else:
             if before is not None:
                 before()
             fill_pieces(pieces, self._threads)
         return list(chosen.tensors)
 
+    def start_fills(self) -> None:
+        """Start every background fill not started yet (its save's request is with the writer)."""
+        for fill in self._fills:
+            fill.start()
+
     def wait_filled(self) -> None:
         """Block until every background fill has finished: before anything reads a set's values
         in this process, or rewrites or frees what a fill reads. Never raises: a failed fill
         stays pending, and every later save fails (`check_written`, on every rank)."""
-        for fill in self._fills:
-            fill.join()
+        if any(not f.done for f in self._fills):
+            started = time.perf_counter()
+            for fill in self._fills:
+                fill.join()
+            self.fill_wait_seconds += time.perf_counter() - started
         self._fills = [f for f in self._fills if f.error is not None]
 
     def pending_fills(self) -> List[Fill]:

@@ -44,20 +44,33 @@ def fill_pieces(pieces: list, threads: int) -> None:
 
 
 class Fill:
-    """One set's copy running in a thread of its own (`SaveSnapshots.take` with `background`).
+    """One set's copy running in a thread of its own (`SaveSnapshots.take` with `background`),
+    from `start()` on: megatron_saves starts it once the save's request is with the writer, so
+    that the copy does not compete with the rest of the save on the training thread; anything
+    that waits for it (`join`, `wait`) starts it first, so a fill nobody started never blocks.
     `flag` is two shared-memory bytes: the first, which the writer's process polls
-    (`writer_waits`), 0 while copying, 1 once every byte is in the set, -1 if the copy failed; the
-    second set by a writer that stopped waiting (FILL_TIMEOUT_S)."""
+    (`writer_waits`), 0 until the copy has finished, 1 once every byte is in the set, -1 if the
+    copy failed; the second set by a writer that stopped waiting (FILL_TIMEOUT_S)."""
 
     def __init__(self, targets: List[torch.Tensor], pieces: list, threads: int,
-                 before: Optional[Callable[[], None]]):
+                 before: Optional[Callable[[], None]], start: bool = True):
         self.storages = frozenset(t.untyped_storage().data_ptr() for t in targets)
         self.flag = shared(torch.zeros(2, dtype=torch.int8), by_name=True)
         self.error: Optional[BaseException] = None
         self._pieces = pieces
         self._thread = threading.Thread(target=self._run, args=(threads, before), daemon=True,
                                         name="megatron-offload-snapshot-fill")
-        self._thread.start()
+        self._start_lock = threading.Lock()
+        self.started = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the copy (once; later calls do nothing)."""
+        with self._start_lock:
+            if not self.started:
+                self._thread.start()
+                self.started = True
 
     def _run(self, threads: int, before) -> None:
         try:
@@ -75,14 +88,15 @@ class Fill:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self.started and not self._thread.is_alive()
 
     def join(self) -> None:
+        self.start()
         self._thread.join()
 
     def wait(self) -> None:
         """Block until the copy has finished; raise if it failed (the set's bytes are not the state's)."""
-        self._thread.join()
+        self.join()
         if self.error is not None:
             raise RuntimeError(f"megatron-offload: filling an asynchronous save's snapshots failed: "
                                f"{self.error!r}; the save must not be used") from self.error

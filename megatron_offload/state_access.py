@@ -100,6 +100,11 @@ class StateAccess:
             off.snapshots.wait_filled()
 
     @property
+    def snapshot_fill_wait_seconds(self) -> float:
+        """Host time spent waiting for background snapshot fills that had not finished, in all."""
+        return sum((off.snapshots.fill_wait_seconds for off in self.offloaders), 0.0)
+
+    @property
     def snapshot_collect_seconds(self) -> float:
         """Host time of the garbage collections snapshot takes ran to free a set, in all."""
         return sum((off.snapshots.collect_seconds for off in self.offloaders), 0.0)

@@ -103,6 +103,9 @@ MODIFIERS = {
     "syncfill": {"MEGATRON_OFFLOAD_BACKGROUND_FILL": "0"},
     # The background fill over 8 threads (save_snapshot.BACKGROUND_COPY_THREADS; default 1).
     "fill8": {"MEGATRON_OFFLOAD_FILL_THREADS": "8"},
+    # The background fill started when the state dict is taken, beside the rest of the save, not
+    # once the request is with the writer (save_snapshot.BACKGROUND_FILL_AT_TAKE).
+    "fillearly": {"MEGATRON_OFFLOAD_FILL_AT_TAKE": "1"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
@@ -829,10 +832,22 @@ def report(results, ceilings):
         if gap_text:
             notes.append(gap_text)
         if r.get("saves"):
+            later = saves_after_the_first(r)
+            if later:
+                ref = reference(results, name)
+                ref_later = saves_after_the_first(ref) if ref and ref is not r else None
+                notes.append(f"{name}: saves after the first blocked the loop a median {later['seconds']:.3f} s "
+                             f"over {later['count']} (state dict {later['state_dict_s']:.3f} + dist save "
+                             f"{later['dist_save_s']:.3f} + schedule {later['schedule_s']:.3f}, medians)"
+                             + (f"; the baseline's {ref_later['seconds']:.3f} s over {ref_later['count']}: "
+                                f"{later['seconds'] - ref_later['seconds']:+.3f} s" if ref_later else ""))
             notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
                 f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s"
                 + (f" of which a garbage collection {sv['plugin_collect_seconds']:.2f} s"
                    if sv.get("plugin_collect_seconds") else "")
+                + (f", waits for snapshot fills {sv['plugin_fill_wait_seconds']:.2f} s"
+                   if sv.get("plugin_fill_wait_seconds") else "")
+                + (f", Python's collector {sv['gc_ms'] / 1e3:.2f} s" if sv.get("gc_ms", 0) >= 1 else "")
                 + f", GPU "
                 f"{(sv['max_allocated'] - sv['allocated_before']) / 2**20:+.0f} MiB, snapshots "
                 f"{sv.get('snapshot_bytes', 0) / 2**30:.2f} GiB of host memory)" for sv in r["saves"]))
@@ -850,6 +865,18 @@ def report(results, ceilings):
     print("\n".join(notes))
 
 
+def saves_after_the_first(r):
+    """Medians over a run's checkpoint saves but the first (which, with --async-save, also starts
+    the writer's process): the seconds the loop was blocked and their parts; None with fewer than two."""
+    saves = (r.get("saves") or [])[1:]
+    if not saves:
+        return None
+    out = {"count": len(saves), "seconds": statistics.median(sv["seconds"] for sv in saves)}
+    for key in ("state_dict_s", "dist_save_s", "schedule_s"):
+        out[key] = statistics.median((sv.get("parts") or {}).get(key, 0.0) for sv in saves)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="r1", choices=sorted(PRESETS))
@@ -859,7 +886,8 @@ def main(argv=None):
     p.add_argument("--variants", default="baseline,offload")
     p.add_argument("--out", default="/tmp/megatron_offload_bench")
     p.add_argument("--extra", action="append", default=[],
-                   help="extra Megatron args for every run (repeatable; each is split at spaces)")
+                   help="extra Megatron args for every run (repeatable; each is split at spaces; "
+                        "'{variant}' becomes the variant's name)")
     p.add_argument("--gbs", type=int, default=None,
                    help="global batch size instead of the preset's (e.g. R1's 4 microbatches per rank on one "
                         "GPU: --nproc 1 --gbs 8)")
@@ -927,7 +955,9 @@ def main(argv=None):
             env.setdefault("MEGATRON_OFFLOAD_BUSY_AT", str(busy_at))
         # Same --train-iters (hence the same LR schedule and losses); stop early with --exit-interval.
         stop = ["--exit-interval", str(iters)] if iters < opts.iters else []
-        run = launch(name, base + variant_args(variant) + extra_args + stop, opts.nproc, opts.out, env_extra=env)
+        # ("{variant}" in an --extra argument: this variant's name, e.g. a checkpoint folder of its own)
+        args = [a.replace("{variant}", name) for a in base]
+        run = launch(name, args + variant_args(variant) + extra_args + stop, opts.nproc, opts.out, env_extra=env)
         results[name] = summarize(run, warmup)
         results[name]["iterations_timed"] = f"{warmup + 1}-{iters}"
         print(f"{name}: median {results[name]['median_ms']:.1f} ms/iter {results[name]['median_of']} "

@@ -212,6 +212,11 @@ def _snapshot_bytes():
     return _from_coordinator(lambda coord: coord.snapshot_bytes)
 
 
+def _snapshot_fill_wait_seconds():
+    """Host seconds megatron-offload waited for background snapshot fills, in all."""
+    return _from_coordinator(lambda coord: coord.snapshot_fill_wait_seconds, 0.0)
+
+
 def _snapshot_collect_seconds():
     """megatron-offload's host time in garbage collections that freed a snapshot set, so far."""
     return _from_coordinator(lambda coord: coord.snapshot_collect_seconds, 0.0)
@@ -433,6 +438,10 @@ def set_diagnostics_from_env():
         from megatron_offload import save_snapshot
 
         save_snapshot.BACKGROUND_COPY_THREADS = int(os.environ["MEGATRON_OFFLOAD_FILL_THREADS"])
+    if os.environ.get("MEGATRON_OFFLOAD_FILL_AT_TAKE") == "1":  # (the benchmark's @fillearly)
+        from megatron_offload import save_snapshot
+
+        save_snapshot.BACKGROUND_FILL_AT_TAKE = True
     if os.environ.get("MEGATRON_OFFLOAD_DEVICE_READS") == "1":
         from megatron_offload import megatron_reads
 
@@ -694,7 +703,8 @@ class Recorder:
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             off_gpu = _offloaded_bytes_now()
-            prep, collected = _host_read_seconds(), _snapshot_collect_seconds()
+            prep, collected, fill_waited = _host_read_seconds(), _snapshot_collect_seconds(), _snapshot_fill_wait_seconds()
+            gc_before, gc_counts_before = _GC_CLOCK[0], dict(_GC_COUNTS)
             t0 = time.perf_counter()
             with _save_parts() as parts:
                 out = save_checkpoint(*a, **k)
@@ -706,10 +716,15 @@ class Recorder:
                                "plugin_seconds": _host_read_seconds() - prep,
                                # ... of which garbage collections that freed a snapshot set
                                "plugin_collect_seconds": _snapshot_collect_seconds() - collected,
+                               # ... waits for background snapshot fills (anywhere in the save)
+                               "plugin_fill_wait_seconds": _snapshot_fill_wait_seconds() - fill_waited,
                                "snapshot_bytes": _snapshot_bytes(),  # shared memory for async saves, after it
                                "max_reserved": torch.cuda.max_memory_reserved(),
                                "offloaded_before": off_gpu,  # state bytes off the GPU when the save began
                                "after_iteration": len(self.iterations),
+                               # Python's automatic collections inside the save (any process pays them)
+                               "gc_ms": _GC_CLOCK[0] - gc_before,
+                               "gc_full": _GC_COUNTS["gc_full"] - gc_counts_before["gc_full"],
                                # where the time went, and the forms of the tensors the save read
                                "parts": parts})
             return out

@@ -360,6 +360,9 @@ def main(argv=None):
                       f"{parts['state_dict_s']:.3f} + dist save {parts['dist_save_s']:.3f} + schedule "
                       f"{parts['schedule_s']:.3f} + other; plugin {sv.get('plugin_seconds', 0):.3f}"
                       + (f" (garbage collection {sv['plugin_collect_seconds']:.3f})" if sv.get("plugin_collect_seconds") else "")
+                      + (f"; waits for snapshot fills {sv['plugin_fill_wait_seconds']:.3f}"
+                         if sv.get("plugin_fill_wait_seconds") else "")
+                      + (f"; Python's collector {sv['gc_ms'] / 1e3:.3f} ({sv.get('gc_full', 0)} full)" if sv.get("gc_ms", 0) >= 1 else "")
                       + f"; tensors: {forms}")
     failed = [c for c in checks if not c[1]]
     print(f"\n{len(checks) - len(failed)} passed, {len(failed)} failed")

@@ -248,6 +248,7 @@ BACKGROUND_SCRIPT = QUEUE_PRELUDE + textwrap.dedent(r"""
         with snapshot_fill.handed_over_by_name():
             channel.put((fill.flag, snap))
             assert out.get(timeout=120) == "received"  # (pickled by the queue's feeder thread)
+        fill.start()  # (as megatron_saves does once the request is with the writer)
         time.sleep(0.5)
         released = time.time()
         gate.set()

@@ -908,6 +908,8 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
         writer = threading.Thread(target=snapshot_fill.writer_waits, args=(
             [f.flag for f in fills], lambda: written.update({k: v.clone() for k, v in handed.items()})))
         writer.start()
+        for fill in fills:  # (as megatron_saves does once the request is with the writer)
+            fill.start()
         for _ in range(2):  # training goes on at once: the copy-outs wait for the fill
             make_grads(ref.all_params(), step)
             ref.step()
@@ -982,6 +984,9 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
     assert coord.snapshot_collect_seconds == 0.0 and off.snapshots.collections == 0
     off.snapshots.collect_seconds = 0.25  # (the coordinator sums its offloaders' snapshot collections)
     assert coord.snapshot_collect_seconds == 0.25
+    assert coord.snapshot_fill_wait_seconds == 0.0
+    off.snapshots.fill_wait_seconds = 0.5  # (and their waits for background fills)
+    assert coord.snapshot_fill_wait_seconds == 0.5
     coord.close()
     assert "get_unscaled_state" not in opt.optimizer.__dict__
     assert_bitwise_equal(snapshot(ref), snapshot(opt))

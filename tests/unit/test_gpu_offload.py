@@ -529,6 +529,8 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
                               names=[n for n, _ in named])
             if background:  # (nothing may read them until their fill is done)
                 fills[step] = coord.pending_snapshot_fills()
+                for fill in fills[step]:  # (as megatron_saves does once the request is with the writer)
+                    fill.start()
             else:
                 seen[step].update(digest=digest(model, optimizer), state=tensors_digest(tensors))
             # The writer's request: the tensors themselves (snapshots), copies of the views.

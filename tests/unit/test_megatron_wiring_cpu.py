@@ -692,7 +692,8 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     scheduled = []
 
     def original(queue, request):
-        scheduled.append((request, mp.get_sharing_strategy()))
+        # (fills start only once the request is with the writer: none has started yet here)
+        scheduled.append((request, mp.get_sharing_strategy(), [f.started for f in snaps._fills]))
         return 7
 
     def write(*a, **k):
@@ -705,14 +706,15 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     request = AsyncRequest(write, (1, 2), [finalize], async_fn_kwargs={"k": 3}, preload_fn=lambda: None)
     before = mp.get_sharing_strategy()
     assert schedule(None, request) == 7  # nothing filling: the check only
-    sent, strategy = scheduled[-1]
+    sent, strategy, _ = scheduled[-1]
     assert strategy == before and sent.async_fn is write and sent.finalize_fns[1:] == [finalize]
     assert sent.finalize_fns[0].func is snapshot_fill.check_written and sent.finalize_fns[0].args == ([],)
     gate = threading.Event()
     snaps.take([torch.ones(8)], before=gate.wait, background=True)
-    for _ in range(2):  # (a second save before the fill is done waits for it too)
+    for n in range(2):  # (a second save before the fill is done waits for it too)
         schedule(None, request)
-        sent, strategy = scheduled[-1]
+        sent, strategy, started = scheduled[-1]
+        assert started == [n == 1] and snaps._fills[0].started  # (started after the first request)
         assert strategy == "file_system" and mp.get_sharing_strategy() == before
         assert isinstance(sent.async_fn, functools.partial) and sent.async_fn.func is snapshot_fill.writer_waits
         (flag,), inner = sent.async_fn.args
@@ -725,7 +727,7 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     snaps.take([torch.ones(8)], before=lambda: time.sleep(0.2), background=True)
     plain = request._replace(preload_fn=None)
     schedule(None, plain)
-    assert scheduled[-1][0].async_fn is write and all(f.done for f in snaps._fills)  # (waited for here)
+    assert scheduled[-1][0].async_fn is write and scheduled[-1][2] == [True]  # (waited for here)
     ran = []
     execute = megatron_saves._wrap_execute_sync(lambda r: ran.append(all(f.done for f in snaps._fills)),
                                                 lambda: current[0])
@@ -734,7 +736,7 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     assert ran == [True]
     current[0] = None
     schedule(None, request)
-    assert scheduled[-1] == (request, before)
+    assert scheduled[-1][:2] == (request, before)
 
 
 def test_what_dist_checkpointing_reads_before_its_writer_runs():

@@ -178,7 +178,7 @@ def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
     src = sources(0)
     got, gate = gated_take(snaps, src)
     (fill,) = snaps.pending_fills()
-    assert snaps.pending_fills() == [fill]
+    assert snaps.pending_fills() == [fill] and not fill.started  # (until the request is with the writer)
     assert int(fill.flag[0]) == 0 and not fill.done and snaps.filling(got[0]) and snaps.filling(got[1][5:])
     assert not snaps.filling(src[0])
     ptrs = [t.untyped_storage().data_ptr() for t in got]
@@ -191,6 +191,9 @@ def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
     writer.start()
     time.sleep(0.1)
     assert not seen  # still waiting
+    snaps.start_fills()
+    time.sleep(0.1)
+    assert fill.started and not seen  # (the copy waits at the gate)
     gate.set()
     writer.join(10)
     assert len(seen) == 1 and seen[0][:2] == ((), {"x": 1})
@@ -214,6 +217,7 @@ def test_a_failed_fill_fails_the_save_and_the_writer_does_not_hang():
         raise OSError("no")
 
     snaps.take(sources(0), before=broken, background=True)
+    snaps.start_fills()
     (fill,) = snaps.pending_fills()
     assert snapshot_fill.writer_waits([fill.flag], lambda: "written") == "written"
     assert int(fill.flag[0]) == -1
@@ -221,6 +225,32 @@ def test_a_failed_fill_fails_the_save_and_the_writer_does_not_hang():
         snapshot_fill.check_written([fill])
     snaps.wait_filled()  # (never raises: whatever rewrites the sources goes on)
     assert snaps.pending_fills() == [fill]  # every later save that may read the set fails too
+
+
+def test_a_fill_nobody_started_starts_when_waited_for(monkeypatch):
+    """A background fill starts with `start_fills` (megatron_saves, once the request is with the
+    writer) or with the first wait for it: a reader of values or a copy-out never waits for ever."""
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.background = True
+    src = sources(0)
+    ran = []
+    got = snaps.take(src, before=lambda: ran.append(1), background=True)
+    time.sleep(0.2)
+    (fill,) = snaps.pending_fills()
+    assert not ran and not fill.started and not fill.done
+    assert snaps.fill_wait_seconds == 0.0
+    snaps.wait_filled()
+    assert ran == [1] and fill.done and int(fill.flag[0]) == 1 and snaps.pending_fills() == []
+    assert snaps.fill_wait_seconds > 0  # (counted: it had not finished)
+    assert all(torch.equal(a, b) for a, b in zip(got, src))
+    waited = snaps.fill_wait_seconds
+    snaps.wait_filled()
+    assert snaps.fill_wait_seconds == waited  # (nothing pending: no wait counted)
+    monkeypatch.setattr(save_snapshot, "BACKGROUND_FILL_AT_TAKE", True)  # (the benchmark's @fillearly)
+    del got
+    snaps.take(src, before=lambda: time.sleep(0.5), background=True)
+    (fill,) = snaps._fills
+    assert fill.started
 
 
 def test_a_writer_that_stops_waiting_fails_the_save(monkeypatch):
