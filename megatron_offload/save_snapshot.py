@@ -25,7 +25,7 @@ buffer's views, which the writer copies itself.
 With `background` (OffloadConfig.async_save_background_fill, for megatron-core's own strategy), a `take` for a reader
 that only collects references returns at once and the copy runs in a thread of its own, after
 the copy-out it reads has finished (`before`), from when the save's request is with the writer
-(`start_fills`; any wait starts it earlier): training goes on while the set fills. Everything that reads a set waits for its fill first:
+(megatron_saves starts it, `Fill.start`; any wait starts it earlier): training goes on while the set fills. Everything that reads a set waits for its fill first:
 * the checkpoint writer: megatron_saves hands the writer's function to megatron-core wrapped in
   `snapshot_fill.writer_waits`, which polls the flags of every fill not known to be done (`pending_fills`: a
   second save before the next forward reads the first one's set again) in the writer's process,
@@ -77,7 +77,7 @@ COPY_THREADS = 8
 # goes on meanwhile (a blocking fill may use them: nothing else runs then).
 BACKGROUND_COPY_THREADS = 1
 # A background fill starts when its save's request has been handed to the writer
-# (`SaveSnapshots.start_fills`, called by megatron_saves), not in `take`: a copy running beside
+# (megatron_saves calls `Fill.start`), not in `take`: a copy running beside
 # dist-checkpointing's planning slows it down, and the training thread waits for that. True: in `take`.
 BACKGROUND_FILL_AT_TAKE = False
 # File descriptors left to everything else when sets are made (each snapshot keeps one open).
@@ -225,7 +225,7 @@ class SaveSnapshots:
         the same bits). None if no set is free and none can be made: the caller hands out the
         sources themselves. `before` (the copy-out the sources wait for) runs first; with
         `background` (a reader that only collects references) both run in a thread, started by
-        `start_fills` or any wait, and the copies are valid only once it has finished
+        `Fill.start` (megatron_saves) or any wait, and the copies are valid only once it has finished
         ([Note: background fill])."""
         if _STORAGE_USE_COUNT is None:  # (no way to tell when a pending save lets go of a set)
             self._warn("this torch does not expose storage reference counts")
@@ -266,11 +266,6 @@ class SaveSnapshots:
                 before()
             fill_pieces(pieces, self._threads)
         return list(chosen.tensors)
-
-    def start_fills(self) -> None:
-        """Start every background fill not started yet (its save's request is with the writer)."""
-        for fill in self._fills:
-            fill.start()
 
     def wait_filled(self) -> None:
         """Block until every background fill has finished: before anything reads a set's values

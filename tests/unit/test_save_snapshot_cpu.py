@@ -191,7 +191,7 @@ def test_a_background_fill_returns_at_once_and_the_writer_waits_for_its_flag():
     writer.start()
     time.sleep(0.1)
     assert not seen  # still waiting
-    snaps.start_fills()
+    fill.start()  # (as megatron_saves does once the request is with the writer)
     time.sleep(0.1)
     assert fill.started and not seen  # (the copy waits at the gate)
     gate.set()
@@ -217,8 +217,8 @@ def test_a_failed_fill_fails_the_save_and_the_writer_does_not_hang():
         raise OSError("no")
 
     snaps.take(sources(0), before=broken, background=True)
-    snaps.start_fills()
     (fill,) = snaps.pending_fills()
+    fill.start()
     assert snapshot_fill.writer_waits([fill.flag], lambda: "written") == "written"
     assert int(fill.flag[0]) == -1
     with pytest.raises(RuntimeError, match="filling .* must not be used"):
@@ -228,7 +228,7 @@ def test_a_failed_fill_fails_the_save_and_the_writer_does_not_hang():
 
 
 def test_a_fill_nobody_started_starts_when_waited_for(monkeypatch):
-    """A background fill starts with `start_fills` (megatron_saves, once the request is with the
+    """A background fill starts with `Fill.start` (megatron_saves, once the request is with the
     writer) or with the first wait for it: a reader of values or a copy-out never waits for ever."""
     snaps = SaveSnapshots(check=lambda n: None)
     snaps.background = True
