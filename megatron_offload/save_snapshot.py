@@ -279,13 +279,13 @@ class SaveSnapshots:
         self._fills = [f for f in self._fills if f.error is not None]
 
     def pending_fills(self) -> List[Fill]:
-        """The background fills not known to have succeeded (running, or failed): what a writer
-        handed a request now must wait for and check."""
+        """The background fills not known to have succeeded (not started yet, running, or
+        failed): what a writer handed a request now must wait for and check."""
         self._fills = [f for f in self._fills if not f.done or f.error is not None]
         return list(self._fills)
 
     def filling(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is a view of a snapshot whose fill may still be running."""
+        """Whether `tensor` is a view of a snapshot whose fill has not finished (or not started)."""
         if not self._fills or tensor.device.type != "cpu":
             return False
         ptr = tensor.untyped_storage().data_ptr()

@@ -66,11 +66,18 @@ class Fill:
             self.start()
 
     def start(self) -> None:
-        """Start the copy (once; later calls do nothing)."""
+        """Start the copy (once; later calls do nothing). Never raises: a thread that cannot be
+        started fails the fill (flag -1, `error`), so that a writer already handed its flag
+        stops waiting and the save fails at finalize (`check_written`)."""
         with self._start_lock:
-            if not self.started:
+            if self.started:
+                return
+            self.started = True
+            try:
                 self._thread.start()
-                self.started = True
+            except BaseException as err:  # noqa: BLE001  (reported by `wait`, in the training process)
+                self.error = err
+                self.flag[0] = -1
 
     def _run(self, threads: int, before) -> None:
         try:
@@ -92,7 +99,8 @@ class Fill:
 
     def join(self) -> None:
         self.start()
-        self._thread.join()
+        if self._thread.ident is not None:  # (else it could not be started: failed, nothing to wait for)
+            self._thread.join()
 
     def wait(self) -> None:
         """Block until the copy has finished; raise if it failed (the set's bytes are not the state's)."""

@@ -716,7 +716,9 @@ class Recorder:
                                "plugin_seconds": _host_read_seconds() - prep,
                                # ... of which garbage collections that freed a snapshot set
                                "plugin_collect_seconds": _snapshot_collect_seconds() - collected,
-                               # ... waits for background snapshot fills (anywhere in the save)
+                               # ... waits for background snapshot fills (SaveSnapshots.wait_filled: a
+                               # reader's or a guard's; not the scheduling's own join, for a request
+                               # without a preload function)
                                "plugin_fill_wait_seconds": _snapshot_fill_wait_seconds() - fill_waited,
                                "snapshot_bytes": _snapshot_bytes(),  # shared memory for async saves, after it
                                "max_reserved": torch.cuda.max_memory_reserved(),

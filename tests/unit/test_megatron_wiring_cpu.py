@@ -734,6 +734,15 @@ def test_an_async_request_with_snapshots_still_filling_makes_its_writer_wait():
     snaps.take([torch.ones(8)], before=lambda: time.sleep(0.2), background=True)
     execute(request)
     assert ran == [True]
+    def refused(queue, request):  # (megatron-core raising after the request may have gone out)
+        raise RuntimeError("queue broken")
+
+    snaps.take([torch.ones(8)], before=lambda: time.sleep(0.2), background=True)
+    (fill,) = snaps.pending_fills()
+    with pytest.raises(RuntimeError, match="queue broken"):
+        megatron_saves._wrap_schedule_async_request(refused, lambda: current[0])(None, request)
+    assert fill.started and mp.get_sharing_strategy() == before  # (started all the same)
+    snaps.wait_filled()
     current[0] = None
     schedule(None, request)
     assert scheduled[-1][:2] == (request, before)

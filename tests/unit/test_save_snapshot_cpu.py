@@ -251,6 +251,29 @@ def test_a_fill_nobody_started_starts_when_waited_for(monkeypatch):
     snaps.take(src, before=lambda: time.sleep(0.5), background=True)
     (fill,) = snaps._fills
     assert fill.started
+    snaps.wait_filled()
+
+
+def test_a_fill_whose_thread_cannot_start_fails_without_raising(monkeypatch):
+    """`Fill.start` runs where the request is already with the writer (megatron_saves, in a
+    `finally`): a thread that cannot be started must not raise there, and its flag must tell the
+    writer to stop waiting; the save then fails at finalize."""
+    snaps = SaveSnapshots(check=lambda n: None)
+    snaps.background = True
+    snaps.take(sources(0), background=True)
+    (fill,) = snaps.pending_fills()
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    fill.start()  # (no exception)
+    assert fill.done and int(fill.flag[0]) == -1
+    assert snapshot_fill.writer_waits([fill.flag], lambda: "written") == "written"  # (at once)
+    with pytest.raises(RuntimeError, match="filling .* must not be used"):
+        snapshot_fill.check_written([fill])
+    snaps.wait_filled()  # (never raises, nothing to join)
+    assert snaps.pending_fills() == [fill]
 
 
 def test_a_writer_that_stops_waiting_fails_the_save(monkeypatch):
