@@ -20,7 +20,6 @@ import socket
 import sys
 import tempfile
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "unit"))
