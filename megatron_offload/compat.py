@@ -58,7 +58,7 @@ HOOK_POINTS: Tuple[Tuple[str, str, Tuple[str, ...], Tuple[str, ...]], ...] = (
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.state_dict", ("self",), ()),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
      ("self", "state_dict"), ()),
-    # _wrap_state_access reads is_loading as the second argument after self.
+    # megatron_state_methods.wrap_state_access reads is_loading as the second argument after self.
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.sharded_state_dict",
      ("self", "model_sharded_state_dict", "is_loading"), ()),
     # megatron_saves' wrappers take the request as the argument after self, or as self.

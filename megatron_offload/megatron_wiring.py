@@ -21,7 +21,8 @@ validate_args that megatron.training.initialize imports, compat.ALIASES):
 plus the fixes of upstream_fixes.py (megatron-core's own bugs, unrelated to offloading), and, per
 optimizer instance, the top-level `optimizer.step` (to see skipped steps), `get_loss_scale` (train's
 read, megatron_reads.py) and each DistributedOptimizer's checkpoint/reload methods (a torch_dist
-save or load runs on the host copies of what is off the GPU; the others get the state back first).
+save or load runs on the host copies of what is off the GPU; the others get the state back first:
+megatron_state_methods.py).
 """
 
 from __future__ import annotations
@@ -35,38 +36,13 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import auto_fraction, compat, megatron_args, megatron_reads, megatron_saves, upstream_fixes, validation
+from . import (auto_fraction, compat, megatron_args, megatron_reads, megatron_saves, megatron_state_methods,
+               upstream_fixes, validation)
 from .allocator import configure_allocator
 from .coordinator import OffloadCoordinator, OffloadNotRunningError
 from .host_memory import HostMemoryError
 
 logger = logging.getLogger(__name__)
-
-# DistributedOptimizer methods that read the state: it must be resident while they run.
-STATE_READERS = (
-    "state_dict",
-    "save_parameter_state",
-    "get_parameter_state_dp_zero",
-    "get_parameter_state_dp_reshardable",
-)
-# Methods that write or replace it: resident, then re-discovered and sent out again afterwards.
-STATE_WRITERS = (
-    "load_state_dict",
-    "load_parameter_state",
-    "reload_model_params",
-    "offload_to_cpu",
-    "restore_from_cpu",
-)
-# Those that may run on the host copies of what is off the GPU (coordinator.before_state_access):
-# a torch_dist save or load (`sharded_state_dict`, then `load_state_dict`), and the masters'
-# refresh from the model after a model-only load (`reload_model_params`: in-place copies from the
-# GPU params into the masters' host copies). The legacy per-file load and Megatron's own CPU round
-# trip (RL) get the state back first.
-HOST_ACCESS_OK = ("sharded_state_dict", "load_state_dict", "reload_model_params")
-# Readers that only collect references to the state tensors (a torch_dist save's state dict, the
-# optimizer's own `state_dict` inside it, the bucket-space view): an asynchronous save's snapshots
-# may still be filling while they run. The gathers of the other formats read values.
-REFERENCE_READERS = ("sharded_state_dict", "state_dict", "get_parameter_state_dp_reshardable")
 
 _installed = False
 _stepped_aside = False
@@ -124,36 +100,6 @@ def iter_distributed_optimizers(optimizer) -> Iterator:
         )
 
 
-def _wrap_state_access(coord: OffloadCoordinator, off, dist_opt) -> None:
-    def wrap(name: str, writes):
-        original = getattr(dist_opt, name, None)
-        if original is None:
-            return
-
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            modifies = writes(args, kwargs)
-            references = name in REFERENCE_READERS and not modifies
-            with coord.state_access([off], will_modify=modifies, host_copies_ok=name in HOST_ACCESS_OK,
-                                    references_only=references):
-                result = original(*args, **kwargs)
-            if references and name == "sharded_state_dict":
-                megatron_saves.wait_if_the_save_reads_snapshots(coord, result)
-            return result
-
-        setattr(dist_opt, name, wrapper)
-
-    for name in STATE_READERS:
-        wrap(name, lambda a, k: False)
-    for name in STATE_WRITERS:
-        wrap(name, lambda a, k: True)
-    # sharded_state_dict(model_sharded_state_dict, is_loading=False, ...): a load template is
-    # filled in place by dist_checkpointing.load, so loading counts as a write. A save only
-    # references the tensors, which dist-checkpointing writes from the host anyway: what is off
-    # the GPU is saved from its host copy, and loaded into it.
-    wrap("sharded_state_dict", lambda a, k: bool(k.get("is_loading", a[1] if len(a) > 1 else False)))
-
-
 _allocator_note: Optional[str] = None  # what validate_args decided about the allocator, printed at attach
 
 
@@ -172,7 +118,7 @@ def attach(model, optimizer, args) -> OffloadCoordinator:
     )
     for i, dist_opt in enumerate(iter_distributed_optimizers(optimizer)):
         off = coord.add_optimizer(dist_opt, name=f"distopt{i}")
-        _wrap_state_access(coord, off, dist_opt)
+        megatron_state_methods.wrap_state_access(coord, off, dist_opt)
     # The fp32 masters exist since the optimizer was built, the moments after a resume, and torch
     # Adam's moments are created here rather than lazily in step 1: pack and send out all of it
     # now, while no activation exists, so that even the first forward runs without it.

@@ -32,7 +32,7 @@ def run(with_plugin: bool, params: int, saves: int) -> None:
     from test_offloader_cpu import CPU, make_coord, one_iteration
 
     from megatron_offload.discovery import find_state_tensors
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     class Fake(MegatronShapedDistOpt):
         step = MegatronShapedDistOpt.step_with_ready_grads
@@ -53,7 +53,7 @@ def run(with_plugin: bool, params: int, saves: int) -> None:
 
     opt.sharded_state_dict = sharded
     if coord is not None:
-        _wrap_state_access(coord, off, opt)
+        wrap_state_access(coord, off, opt)
         coord.offload_existing_state()
     step = 0
     for _ in range(3):

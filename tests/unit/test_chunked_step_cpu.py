@@ -655,7 +655,7 @@ def test_streamed_step_with_a_state_fraction_keeps_the_rest_resident_and_stays_b
 def test_a_save_after_a_chunked_step_reads_the_host_copies_and_training_stays_bit_exact():
     """Issue 4: a checkpoint save must not bring the whole state back. After a chunked step most
     chunks are off the GPU; the save reads them from the host and reloads none."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
     from test_offloader_cpu import make_coord
 
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
@@ -663,7 +663,7 @@ def test_a_save_after_a_chunked_step_reads_the_host_copies_and_training_stays_bi
     opt.sharded_state_dict = lambda model_sd, is_loading=False: saved.append(snapshot(opt))
     coord = make_coord(chunk_bytes=2048, chunked_step=True)
     off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     for step in range(4):
         make_grads(ref.all_params(), step)
@@ -682,14 +682,14 @@ def test_state_seen_on_the_host_by_a_save_points_back_at_the_gpu_by_the_next_for
     """After a save read offloaded chunks on the host, the next iteration must find every state
     tensor on its (freed) GPU buffer again: DistributedOptimizer.step assigns each master a CUDA
     `.grad` before the piecewise step reloads it, which fails on a CPU view (EP2 on 2 x H200)."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
     from test_offloader_cpu import make_coord
 
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
     opt.sharded_state_dict = lambda model_sd, is_loading=False: snapshot(opt)
     coord = make_coord(chunk_bytes=2048, chunked_step=True)
     off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     seen = []
 
@@ -800,7 +800,7 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
     bit-exactly. Without async_saves the resident chunks are read on the GPU (the synchronous
     save's protocol)."""
     from megatron_offload import save_snapshot
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
     from test_offloader_cpu import make_coord, one_iteration
 
     monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)  # (these tensors are small)
@@ -822,7 +822,7 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         off = coord.add_optimizer(opt)
         opt.sharded_state_dict = lambda model_sd, is_loading=False, off=off: save(model_sd, is_loading, off)
         opt.state_dict = lambda: {}
-        _wrap_state_access(coord, off, opt)
+        wrap_state_access(coord, off, opt)
         coord.offload_existing_state()
         prepared = list(off.snapshots._sets)  # made at start-up, not at the first save
         assert len(prepared) == (1 if async_saves else 0)
@@ -858,7 +858,7 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
 
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
     from test_offloader_cpu import CPU, make_coord, one_iteration
 
     slow = snapshot_fill.fill_pieces
@@ -882,7 +882,7 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
 
     opt.get_parameter_state_dp_zero = lambda: {st.name: st.tensor.clone() for c in off.chunks for st in c.tensors}
     opt.sharded_state_dict = lambda model_sd, is_loading=False, **k: save(model_sd, is_loading, **k)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     iteration = chunked_iteration if chunked else one_iteration
     step = 0
@@ -933,7 +933,7 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
     computes; states without a scale are not served; once the chunks leave the host (the next
     forward) the optimizer's own method is back, and training goes on bit-exactly."""
     from megatron_offload import save_snapshot
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
     from test_offloader_cpu import make_coord, one_iteration
 
     monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)  # (these tensors are small)
@@ -950,7 +950,7 @@ def test_an_async_save_serves_te_fp16_states_unscaled_from_shared_memory(chunked
                      for p in params(opt)])
 
     opt.sharded_state_dict = save
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     prepared = list(off.snapshots._sets)
     assert len(prepared) == 1

@@ -565,7 +565,7 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path, delay_cyc
     from megatron.core import dist_checkpointing
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_offload import megatron_wiring, upstream_fixes
+    from megatron_offload import megatron_state_methods, megatron_wiring, upstream_fixes
 
     # What install() fixes in megatron-core 0.19's torch-AdamW fallback (per-parameter `step`
     # after a load): without it the resumed run differs, offloading or not.
@@ -591,7 +591,7 @@ def test_torch_dist_load_mid_run_writes_into_the_host_copies(tmp_path, delay_cyc
     model_b, opt_b = build(seed=4321)  # other weights: everything must come from the checkpoint
     coord = attach(model_b, opt_b, delay_cycles=delay_cycles)
     for off in coord.offloaders:
-        megatron_wiring._wrap_state_access(coord, off, off.dist_opt)
+        megatron_state_methods.wrap_state_access(coord, off, off.dist_opt)
     train(model_b, opt_b, coord, steps=2)  # stepped: the state is resident, its copy-out due
     # torch Adam writes loaded values in place, so the load can write into the host copies; TE
     # FusedAdam (when Transformer Engine is installed) rebuilds its state: the load then takes the

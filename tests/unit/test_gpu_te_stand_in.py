@@ -169,14 +169,14 @@ def test_offload_on_te_is_bit_exact_through_a_save_and_a_resume(config):
     """TE's state created up front by the offloader (TE's `initialize_state`), offloaded between
     steps, saved (on the host copies), resumed (TE rebuilds its state): bit-identical to TE
     without the offloader."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     ref, opt = TEDistOpt(**CONFIGS[config]), TEDistOpt(**CONFIGS[config])
     for o in (ref, opt):
         te_checkpoint_api(o)
     coord = make_coordinator(device=CUDA, chunk_bytes=8192, expected_forwards_per_iteration=lambda: 2)
     off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     assert coord.bytes_in(ChunkState.OFFLOADED) == coord.gpu_bytes > 0
     for step in range(3):

@@ -927,7 +927,7 @@ def test_a_save_reads_offloaded_state_from_the_host_and_a_load_brings_it_back():
     reloaded, the values are the state's, and they stay readable after the call returns (the
     checkpoint is written afterwards); the next reload points the tensors back at the GPU. A load
     template counts as a write: the state comes back and what is loaded is sent out again."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     opt = FakeDistOpt()
     saved = {}
@@ -945,7 +945,7 @@ def test_a_save_reads_offloaded_state_from_the_host_and_a_load_brings_it_back():
     opt.load_state_dict = load_state_dict
     coord = make_coord()
     off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     one_iteration(opt, coord, 0)
     expected = snapshot(opt)  # resident right after the step
@@ -1640,13 +1640,13 @@ def test_a_checkpoint_load_writes_into_the_host_copies_and_brings_nothing_back(w
     state), and training continues from the loaded values bit-exactly (against an optimizer that
     had them set directly). Right after a step the stepped state is first sent out (its host copy
     is stale), still without bringing anything back."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
     coord = make_coord()
     off = coord.add_optimizer(opt)
     fake_checkpoint_api(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     train_in_lockstep(ref, opt, coord, range(2))
     assert off.host_writes_supported()
@@ -1709,13 +1709,13 @@ def test_a_model_only_load_refreshes_the_masters_on_the_host_and_brings_nothing_
     place). With the state off the GPU it writes into the masters' host copies: no chunk is
     allocated on the GPU, nothing is copied in, and training goes on bit-exactly against an
     optimizer whose masters were refreshed directly."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
     fake_reload_model_params(opt)
     coord = make_coord()
     off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     steps = 2 if when == "after_two_steps" else 0
     train_in_lockstep(ref, opt, coord, range(steps))
@@ -1736,7 +1736,7 @@ def test_a_host_write_after_an_asynchronous_save_leaves_the_pending_save_alone(m
     snapshots: the pending save keeps what it read, and training goes on from the written values
     bit-exactly."""
     from megatron_offload import save_snapshot
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     monkeypatch.setattr(save_snapshot, "MIN_SNAPSHOT_BYTES", 0)  # (these tensors are small)
     ref, opt = FakeDistOpt(fp32_numels=()), FakeDistOpt(fp32_numels=())
@@ -1749,7 +1749,7 @@ def test_a_host_write_after_an_asynchronous_save_leaves_the_pending_save_alone(m
     opt.sharded_state_dict = save
     coord = make_coord(async_saves=True, async_save_snapshots=True)
     off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     train_in_lockstep(ref, opt, coord, range(2))
     opt.sharded_state_dict({})
@@ -1765,7 +1765,7 @@ def test_a_host_write_after_an_asynchronous_save_leaves_the_pending_save_alone(m
 def test_a_writer_that_replaces_state_tensors_on_the_host_is_refused():
     """host_writes_supported promises that the writer keeps the tensor objects; one that replaces
     them would leave the optimizer with tensors the offloader does not know, on the CPU."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     opt = FakeDistOpt(fp32_numels=())
     coord = make_coord()
@@ -1777,7 +1777,7 @@ def test_a_writer_that_replaces_state_tensors_on_the_host_is_refused():
             opt.optimizer.state[p]["exp_avg"] = torch.zeros_like(opt.optimizer.state[p]["exp_avg"])
 
     opt.load_state_dict = replacing_load
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     one_iteration(opt, coord, 0)
     with pytest.raises(RuntimeError, match="replaced state tensors"):
@@ -1833,12 +1833,12 @@ def te_resume(opt):
 def te_offloaded(opt):
     """A coordinator driving `opt` (a stand-in with TE's checkpoint API) as the Megatron wiring
     does: its state readers and writers wrapped, the state sent out before the first step."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     te_checkpoint_api(opt)
     coord = make_coord()
     off = coord.add_optimizer(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     return coord, off
 
@@ -1991,7 +1991,7 @@ def test_writers_that_cannot_run_on_the_host_get_the_state_back(case):
     (their moments would follow them to the GPU), state kept resident by a fraction, fused Adam
     (its step follows the params), TE FusedAdam (rebuilds its state), or loads turned off
     (Megatron's fully parallel load exchanges GPU tensors)."""
-    from megatron_offload.megatron_wiring import _wrap_state_access
+    from megatron_offload.megatron_state_methods import wrap_state_access
 
     kw = {}
     if case == "fp32-params":
@@ -2011,7 +2011,7 @@ def test_writers_that_cannot_run_on_the_host_get_the_state_back(case):
     off = coord.add_optimizer(opt)
     if case != "te":
         fake_checkpoint_api(opt)
-    _wrap_state_access(coord, off, opt)
+    wrap_state_access(coord, off, opt)
     coord.offload_existing_state()
     if case == "fused":
         assert not off.host_writes_supported()
