@@ -72,12 +72,13 @@ class Fill:
         with self._start_lock:
             if self.started:
                 return
-            self.started = True
             try:
                 self._thread.start()
             except BaseException as err:  # noqa: BLE001  (reported by `wait`, in the training process)
                 self.error = err
                 self.flag[0] = -1
+            # (set once the thread runs: `done` must not read a fill about to start as finished)
+            self.started = True
 
     def _run(self, threads: int, before) -> None:
         try:
