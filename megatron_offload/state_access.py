@@ -91,7 +91,7 @@ class StateAccess:
         return [fill for off in self.offloaders for fill in off.snapshots.pending_fills()]
 
     def snapshot_filling(self, tensor) -> bool:
-        """Whether `tensor` is a view of a snapshot whose background fill may still be running."""
+        """Whether `tensor` is a view of a snapshot whose background fill has not finished (or not started)."""
         return any(off.snapshots.filling(tensor) for off in self.offloaders)
 
     def wait_snapshots_filled(self) -> None:

@@ -434,14 +434,14 @@ def set_diagnostics_from_env():
         from megatron_offload import megatron_args
 
         megatron_args.DIAGNOSTICS.update(chosen)
-    if os.environ.get("MEGATRON_OFFLOAD_FILL_THREADS"):  # (the benchmark's @fill8: a module constant)
+    threads, at_take = os.environ.get("MEGATRON_OFFLOAD_FILL_THREADS"), os.environ.get("MEGATRON_OFFLOAD_FILL_AT_TAKE")
+    if threads or at_take == "1":  # (the benchmark's @fill8 and @fillearly: module constants)
         from megatron_offload import save_snapshot
 
-        save_snapshot.BACKGROUND_COPY_THREADS = int(os.environ["MEGATRON_OFFLOAD_FILL_THREADS"])
-    if os.environ.get("MEGATRON_OFFLOAD_FILL_AT_TAKE") == "1":  # (the benchmark's @fillearly)
-        from megatron_offload import save_snapshot
-
-        save_snapshot.BACKGROUND_FILL_AT_TAKE = True
+        if threads:
+            save_snapshot.BACKGROUND_COPY_THREADS = int(threads)
+        if at_take == "1":
+            save_snapshot.BACKGROUND_FILL_AT_TAKE = True
     if os.environ.get("MEGATRON_OFFLOAD_DEVICE_READS") == "1":
         from megatron_offload import megatron_reads
 
