@@ -266,13 +266,48 @@ class HostCopies:
         masters = master_ids(self.dist_opt)  # (all offloaded: nothing is kept)
         return all(id(st.param) in masters for c in self.chunks for st in c.tensors)
 
-    def send_out_now(self) -> None:
+    def send_out_now(self, device_snapshots: bool = False) -> None:
         """Every chunk OFFLOADED with a current host copy, without allocating on the GPU: the
         chunks still resident are copied out if their host copy is stale and freed, those coming
         back (their host copy is what they load) are freed once their H2D is done. The host does
-        not wait here; `expose_host_copies` does."""
+        not wait here; `expose_host_copies` does. `device_snapshots` (an asynchronous save with
+        background snapshots follows): the large tensors of the chunks still on the GPU are also
+        copied from there into the snapshot set that save will take, before they are freed
+        ([Note: device fill] in save_snapshot.py)."""
         self.settle_unmodified()  # COPYING_IN / RESIDENT -> COPYING_OUT, D2H where stale
-        self.free(self.chunks_in(ChunkState.COPYING_OUT))
+        going = self.chunks_in(ChunkState.COPYING_OUT)
+        if device_snapshots and going and self.device.type == "cuda":
+            self._snapshot_from_device(going)
+        self.free(going)
+
+    def _snapshot_from_device(self, going) -> None:
+        """Enqueue the copies of `going`'s large tensors (COPYING_OUT: their GPU buffers hold the
+        values, and the compute stream is ordered after anything still writing them) into the
+        snapshot set the next `_point_at_snapshots` of the whole state takes, after their
+        copy-outs on the D2H stream; the chunks' `ready` then covers both, so that `free` holds
+        the compute stream until the GPU buffers have been read."""
+        inner = getattr(self.dist_opt, "optimizer", None)
+        ids = {id(c) for c in going}
+        # (the order and selection of `_point_at_snapshots` once every chunk is OFFLOADED)
+        large = [(c, st) for c in self.chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
+        unscaled = [_as_fp32(inner, st) is not None for _, st in large]
+        sources = [st.tensor.data if id(c) in ids and not u else None for (c, st), u in zip(large, unscaled)]
+        if not any(src is not None for src in sources):
+            return
+        self.flush_copy_out(going)
+        s = self.streams
+        with s.on_d2h() as stream:
+            # Why: the copies read what the step (or an H2D the compute stream waited for) wrote.
+            s.d2h_wait_for_compute()
+            s.delay(stream)  # (tests: copy-stream delays)
+            timer = s.stats.start_copy(stream, "d2h")
+            nbytes = self.snapshots.copy_from_device([st.tensor for _, st in large], unscaled, sources)
+            if not nbytes:
+                return
+            ready = s.record(stream)
+            s.stats.end_copy(timer, stream, nbytes)
+        for chunk in going:
+            chunk.ready = ready  # (one D2H stream: the later event covers the chunk's own copy-out)
 
     def accept_host_writes(self) -> None:
         """A writer has run on the exposed host copies (`host_writes_supported`): what it wrote

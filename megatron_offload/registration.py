@@ -9,7 +9,7 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-from . import chunked_step
+from . import chunked_step, save_snapshot
 from .offloader import OptimizerStateOffloader
 from .phase import Phase
 
@@ -73,6 +73,8 @@ class Registration:
                                       by_parameter=self.config.chunked_step, uniform_slots=self.config.per_step)
         off.snapshots.enabled = self.config.async_save_snapshots
         off.snapshots.background = self.config.async_save_snapshots and self.config.async_save_background_fill
+        off.snapshots.device_fill = (off.snapshots.background and save_snapshot.DEVICE_FILL
+                                     and off.device.type == "cuda")
         off.feeder = self.feeder
         self.offloaders.append(off)
         inner = getattr(dist_opt, "optimizer", None)

@@ -42,6 +42,17 @@ read, by dist-checkpointing before the request is scheduled), and sets are share
 (torch's `file_system` strategy, which `snapshot_fill.handed_over_by_name` selects while a request is handed
 to the writer's process): such a storage crosses to it by name, not as a file descriptor that
 the writer fetches over a socket of its own, tensor by tensor.
+
+[Note: device fill]
+A background fill on the host is one memory copy of every offloaded byte, on one core, while
+training goes on; and the next copy-out into the pinned buffer must wait for it. On a CUDA device the sets
+are page-locked in place instead (`device_fill`), and where the save finds a chunk's values still on the
+GPU (the step before the save wrote them: the usual case) the copy-out that sends the chunk out for the
+save is followed, on the same D2H stream, by a second one straight into the set
+(`HostCopies.send_out_now`, `copy_from_device`), before the chunk is freed. That costs PCIe time on
+the copy stream, which is otherwise idle between a step and the next forward, and no host time; the
+fill thread then only waits for that stream and copies what the GPU no longer held (chunks already
+off it, and TE's 16-bit states served as fp32, which need the host's conversion).
 """
 
 from __future__ import annotations
@@ -53,11 +64,12 @@ import math
 import os
 import resource
 import time
+import weakref
 from typing import Callable, List, Optional
 
 import torch
 
-from . import host_memory
+from . import host_buffer, host_memory
 from .snapshot_fill import Fill, fill_pieces, shared
 
 logger = logging.getLogger(__name__)
@@ -80,6 +92,9 @@ BACKGROUND_COPY_THREADS = 1
 # (megatron_saves calls `Fill.start`), not in `take`: a copy running beside
 # dist-checkpointing's planning slows it down, and the training thread waits for that. True: in `take`.
 BACKGROUND_FILL_AT_TAKE = False
+# Background sets are page-locked and filled from the GPU where the save finds the values there
+# ([Note: device fill]); False: always on the host (the benchmark's comparison).
+DEVICE_FILL = True
 # File descriptors left to everything else when sets are made (each snapshot keeps one open).
 FD_MARGIN = 512
 
@@ -155,13 +170,54 @@ def _layout(likes: List[torch.Tensor], unscaled: Optional[List[bool]] = None) ->
     return [(t.shape, torch.float32 if u else t.dtype) for t, u in zip(likes, unscaled)]
 
 
-class _Set:
-    """One snapshot per large tensor of a save, in the order the save's tensors were listed."""
+def _cuda_unregister(ptr: int) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
-    def __init__(self, layout: list, by_name: bool = False):
+
+def _unregister_all(unregister: Callable[[int], int], ptrs: List[int], copied) -> None:
+    if copied[0] is not None:
+        copied[0].synchronize()  # (a device copy may still be writing into these pages)
+    for ptr in ptrs:
+        unregister(ptr)
+    ptrs.clear()
+
+
+class _Set:
+    """One snapshot per large tensor of a save, in the order the save's tensors were listed.
+    With `register` (device fills) every snapshot is page-locked in place, so that a D2H copy
+    writes into it directly (`SaveSnapshots.copy_from_device`); `pinned` says whether that
+    succeeded. The pages are unlocked again when the set is dropped (`release`) or collected."""
+
+    def __init__(self, layout: list, by_name: bool = False,
+                 register: Optional[Callable[[int, int], int]] = None,
+                 unregister: Callable[[int], int] = _cuda_unregister):
         self.tensors = [shared(torch.empty(shape, dtype=dtype), by_name) for shape, dtype in layout]
         self._own = [_use_count(t) for t in self.tensors]
         self.layout = layout
+        self.pinned = False
+        self.register_error = 0  # the CUDA error of a registration that failed
+        self.last_device_copy = [None]  # event after the last copies `copy_from_device` enqueued
+        registered: List[int] = []
+        self._release = weakref.finalize(self, _unregister_all, unregister, registered, self.last_device_copy)
+        if register is None:
+            return
+        for t in self.tensors:
+            nbytes = t.numel() * t.element_size()
+            if nbytes == 0:
+                continue
+            err = register(t.data_ptr(), nbytes)
+            if err:
+                host_buffer.clear_cuda_error()  # (else the next kernel launch raises it)
+                self.release()
+                self.register_error = err
+                return
+            registered.append(t.data_ptr())
+        self.pinned = True
+
+    def release(self) -> None:
+        """Unlock the pages (once; after any device copy into them has finished)."""
+        self.pinned = False
+        self._release()
 
     def in_use(self) -> bool:
         """Whether anything besides this set still refers to a snapshot (a pending save's request,
@@ -177,20 +233,29 @@ class SaveSnapshots:
     called with its bytes and `check_fds` with its number of files (tests fake the machine)."""
 
     def __init__(self, check: Callable[[int], None] = check_room, threads: int = COPY_THREADS,
-                 check_fds: Callable[[int], None] = check_descriptors):
+                 check_fds: Callable[[int], None] = check_descriptors,
+                 register: Optional[Callable[[int, int], int]] = None,
+                 unregister: Optional[Callable[[int], int]] = None):
         self.enabled = False  # the owner prepares a set for each layout it packs (`prepare`)
         # Fill in the background, every tensor, sets shared by name ([Note: background fill]);
         # set by the owner before any set is made.
         self.background = False
+        # Sets page-locked so that `copy_from_device` can fill them ([Note: device fill]); set by
+        # the owner (background mode on a CUDA device) before any set is made.
+        self.device_fill = False
         self._fills: List[Fill] = []  # background fills not known to have succeeded
         self._sets: List[_Set] = []
+        self._claimed = None  # (set, indices copied from the device) for the next `take`
         self._check = check
         self._check_fds = check_fds
+        self._register = register or host_buffer._cuda_register
+        self._unregister = unregister or _cuda_unregister
         self._threads = threads
         self._warned = False
         self.collections = 0  # garbage collections `take` ran to free a set, and their host time
         self.collect_seconds = 0.0
         self.fill_wait_seconds = 0.0  # host time `wait_filled` blocked for background fills not done
+        self.device_bytes = 0  # bytes `take` handed out that `copy_from_device` had copied, in all
 
     def selects(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` gets a snapshot (else the save reads the buffer's view)."""
@@ -209,7 +274,7 @@ class SaveSnapshots:
         if _STORAGE_USE_COUNT is None or not likes:
             return False
         layout = _layout(likes, unscaled)
-        self._sets = [s for s in self._sets if s.fits(layout) or s.in_use()]
+        self._keep(lambda s: s.fits(layout) or s.in_use())
         if any(s.fits(layout) for s in self._sets):
             return True
         if len(self._sets) >= MAX_SETS:
@@ -232,6 +297,55 @@ class SaveSnapshots:
             return None
         as_fp32 = as_fp32 or [None] * len(sources)
         layout = _layout(sources, [f is not None for f in as_fp32])
+        claimed, self._claimed = self._claimed, None
+        if claimed is not None and claimed[0].fits(layout) and not claimed[0].in_use():
+            chosen, from_device = claimed
+        else:
+            chosen, from_device = self._choose(layout, len(sources)), frozenset()
+        if chosen is None:
+            return None
+        self.device_bytes += sum(_bytes([chosen.tensors[i]]) for i in from_device)
+        pieces = self._pieces([t for i, t in enumerate(chosen.tensors) if i not in from_device],
+                              [t for i, t in enumerate(sources) if i not in from_device],
+                              [f for i, f in enumerate(as_fp32) if i not in from_device])
+        if background:
+            self._fills.append(Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before,
+                                    start=BACKGROUND_FILL_AT_TAKE))
+        else:
+            if before is not None:
+                before()
+            fill_pieces(pieces, self._threads)
+        return list(chosen.tensors)
+
+    def copy_from_device(self, likes: List[torch.Tensor], unscaled: List[bool],
+                         device_sources: List[Optional[torch.Tensor]]) -> int:
+        """Enqueue on the current stream, for every source in `device_sources` that is not None
+        (a device tensor holding the values the next `take` will be given for that position), its
+        copy into the set that `take` then hands out ([Note: device fill]); `likes` and
+        `unscaled` give that take's layout. Returns the bytes enqueued (0: nothing was, and
+        `take` fills everything itself). The copies must have finished before the set is read:
+        `take`'s `before` waits for the stream they run on."""
+        self._claimed = None
+        if not self.device_fill or not any(src is not None for src in device_sources):
+            return 0
+        layout = _layout(likes, unscaled)
+        chosen = self._choose(layout, len(likes))
+        if chosen is None or not chosen.pinned:
+            return 0
+        done = []
+        for i, (dst, src, u) in enumerate(zip(chosen.tensors, device_sources, unscaled)):
+            if src is not None and not u:
+                dst.copy_(src.view(dst.shape), non_blocking=True)
+                done.append(i)
+        if any(device_sources[i].is_cuda for i in done):
+            chosen.last_device_copy[0] = torch.cuda.Event()
+            chosen.last_device_copy[0].record()
+        self._claimed = (chosen, frozenset(done))
+        return sum(_bytes([chosen.tensors[i]]) for i in done)
+
+    def _choose(self, layout: list, count: int) -> Optional[_Set]:
+        """A free set of `layout`, made if none is free and fewer than MAX_SETS exist; None (warned)
+        if there is none and none can be made."""
         chosen = self._free_set(layout)
         if chosen is None and any(s.fits(layout) for s in self._sets):
             # Why: a finalized save's request can stay alive in a reference cycle of the save path
@@ -244,28 +358,30 @@ class SaveSnapshots:
             chosen = self._free_set(layout)
         if chosen is None:
             # Sets of another layout (the state was re-packed) are dropped once free.
-            self._sets = [s for s in self._sets if s.fits(layout) or s.in_use()]
+            self._keep(lambda s: s.fits(layout) or s.in_use())
             if len(self._sets) >= MAX_SETS:
                 self._warn("every snapshot set is still held by an earlier save")
                 return None
-            chosen = self._new_set(layout)
-            if chosen is None:
-                return None
-        else:
-            try:  # (a reused set's save duplicates its descriptors again)
-                self._check_fds(0 if self.background else len(sources))
-            except host_memory.HostMemoryError as err:
-                self._warn(str(err))
-                return None
-        pieces = self._pieces(chosen.tensors, sources, as_fp32)
-        if background:
-            self._fills.append(Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before,
-                                    start=BACKGROUND_FILL_AT_TAKE))
-        else:
-            if before is not None:
-                before()
-            fill_pieces(pieces, self._threads)
-        return list(chosen.tensors)
+            return self._new_set(layout)
+        try:  # (a reused set's save duplicates its descriptors again)
+            self._check_fds(0 if self.background else count)
+        except host_memory.HostMemoryError as err:
+            self._warn(str(err))
+            return None
+        return chosen
+
+    def _keep(self, keep: Callable[[_Set], bool]) -> None:
+        """Drop the sets `keep` rejects, unlocking their pages (what a pending save still holds of
+        them stays valid: only this process's page lock goes)."""
+        kept = []
+        for made in self._sets:
+            if keep(made):
+                kept.append(made)
+            else:
+                made.release()
+        self._sets = kept
+        if self._claimed is not None and self._claimed[0] not in kept:
+            self._claimed = None
 
     def wait_filled(self) -> None:
         """Block until every background fill has finished: before anything reads a set's values
@@ -296,10 +412,15 @@ class SaveSnapshots:
         try:
             self._check(sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout))
             self._check_fds(0 if self.background else 2 * len(layout))
-            made = _Set(layout, by_name=self.background)
+            made = _Set(layout, by_name=self.background, register=self._register if self.device_fill else None,
+                        unregister=self._unregister)
         except (host_memory.HostMemoryError, RuntimeError) as err:
             self._warn(str(err))
             return None
+        if self.device_fill and not made.pinned:
+            logger.warning("megatron-offload: an asynchronous save's snapshots could not be page-locked (CUDA "
+                           "error %s); they are filled on the host from the pinned buffer instead",
+                           made.register_error)
         self._sets.append(made)
         return made
 
@@ -327,9 +448,9 @@ class SaveSnapshots:
         buffer the fills read with it)."""
         self.wait_filled()
         if _STORAGE_USE_COUNT is not None:
-            self._sets = [s for s in self._sets if s.in_use()]
+            self._keep(lambda s: s.in_use())
 
     def close(self) -> None:
         """Drop every set (their shared memory goes once no pending save holds it)."""
         self.wait_filled()
-        self._sets = []
+        self._keep(lambda s: False)

@@ -106,6 +106,9 @@ MODIFIERS = {
     # The background fill started when the state dict is taken, beside the rest of the save, not
     # once the request is with the writer (save_snapshot.BACKGROUND_FILL_AT_TAKE).
     "fillearly": {"MEGATRON_OFFLOAD_FILL_AT_TAKE": "1"},
+    # The background fill copies every byte on the host from the pinned buffer, not from the GPU
+    # into page-locked sets (save_snapshot.DEVICE_FILL off).
+    "hostfill": {"MEGATRON_OFFLOAD_HOST_FILL": "1"},
     # torch.profiler over iteration 10 of rank 0: kernel/copy table and a compact GPU timeline
     # (gpu_timeline_iter10.json.gz in the variant's record directory).
     "prof": {"MEGATRON_OFFLOAD_PROFILE_ITERS": "10"},
@@ -841,6 +844,16 @@ def report(results, ceilings):
                              f"{later['dist_save_s']:.3f} + schedule {later['schedule_s']:.3f}, medians)"
                              + (f"; the baseline's {ref_later['seconds']:.3f} s over {ref_later['count']}: "
                                 f"{later['seconds'] - ref_later['seconds']:+.3f} s" if ref_later else ""))
+                if "with_after_s" in later:
+                    notes.append(
+                        f"{name}: with the {AFTER_SAVE_ITERATIONS} iterations after each (their excess over the "
+                        f"median iteration, median {later['after_s']:+.3f} s): a median {later['with_after_s']:.3f} s "
+                        f"per save ({', '.join(f'{x:.3f}' for x in later['with_after_each_s'])}; saves followed by "
+                        f"{AFTER_SAVE_ITERATIONS} timed iterations)"
+                        + (f"; the baseline's {ref_later['with_after_s']:.3f} s "
+                           f"({', '.join(f'{x:.3f}' for x in ref_later['with_after_each_s'])}): "
+                           f"{later['with_after_s'] - ref_later['with_after_s']:+.3f} s"
+                           if ref_later and "with_after_s" in ref_later else ""))
             notes.append(f"{name}: checkpoint saves blocked the loop " + ", ".join(
                 f"{sv['seconds']:.2f} s (plugin {sv.get('plugin_seconds', 0):.2f} s"
                 + (f" of which a garbage collection {sv['plugin_collect_seconds']:.2f} s"
@@ -865,15 +878,42 @@ def report(results, ceilings):
     print("\n".join(notes))
 
 
+# Iterations after a save whose time over the run's median counts as the save's: what a save
+# leaves the loop to wait for (a copy still running, a collection it set off) shows there.
+AFTER_SAVE_ITERATIONS = 2
+
+
+def after_save_excess(r, sv):
+    """Seconds the AFTER_SAVE_ITERATIONS iterations after save `sv` took beyond the median of rank 0's
+    iterations that follow no save; None where they were not timed."""
+    ms = ((r.get("per_iteration") or [{}])[0] or {}).get("ms")
+    if not ms:
+        return None
+    after = {sv2["after_iteration"] + i for sv2 in r.get("saves") or [] for i in range(AFTER_SAVE_ITERATIONS)}
+    usual = [x for i, x in enumerate(ms) if x is not None and i not in after]
+    k = sv["after_iteration"]
+    window = ms[k:k + AFTER_SAVE_ITERATIONS]
+    if not usual or len(window) < AFTER_SAVE_ITERATIONS or None in window:
+        return None
+    return sum(window) / 1e3 - AFTER_SAVE_ITERATIONS * statistics.median(usual) / 1e3
+
+
 def saves_after_the_first(r):
     """Medians over a run's checkpoint saves but the first (which, with --async-save, also starts
-    the writer's process): the seconds the loop was blocked and their parts; None with fewer than two."""
+    the writer's process): the seconds the loop was blocked and their parts, the excess of the
+    iterations after each (`after_save_excess`) and the two together; None with fewer than two."""
     saves = (r.get("saves") or [])[1:]
     if not saves:
         return None
     out = {"count": len(saves), "seconds": statistics.median(sv["seconds"] for sv in saves)}
     for key in ("state_dict_s", "dist_save_s", "schedule_s"):
         out[key] = statistics.median((sv.get("parts") or {}).get(key, 0.0) for sv in saves)
+    timed = [(sv, after_save_excess(r, sv)) for sv in saves]
+    timed = [(sv, e) for sv, e in timed if e is not None]  # (not a save after the last timed iterations)
+    if timed:
+        out["after_s"] = statistics.median(e for _, e in timed)
+        out["with_after_s"] = statistics.median(sv["seconds"] + e for sv, e in timed)
+        out["with_after_each_s"] = [round(sv["seconds"] + e, 3) for sv, e in timed]
     return out
 
 

@@ -435,13 +435,16 @@ def set_diagnostics_from_env():
 
         megatron_args.DIAGNOSTICS.update(chosen)
     threads, at_take = os.environ.get("MEGATRON_OFFLOAD_FILL_THREADS"), os.environ.get("MEGATRON_OFFLOAD_FILL_AT_TAKE")
-    if threads or at_take == "1":  # (the benchmark's @fill8 and @fillearly: module constants)
+    on_host = os.environ.get("MEGATRON_OFFLOAD_HOST_FILL")
+    if threads or at_take == "1" or on_host == "1":  # (the benchmark's @fill8, @fillearly, @hostfill: module constants)
         from megatron_offload import save_snapshot
 
         if threads:
             save_snapshot.BACKGROUND_COPY_THREADS = int(threads)
         if at_take == "1":
             save_snapshot.BACKGROUND_FILL_AT_TAKE = True
+        if on_host == "1":
+            save_snapshot.DEVICE_FILL = False
     if os.environ.get("MEGATRON_OFFLOAD_DEVICE_READS") == "1":
         from megatron_offload import megatron_reads
 

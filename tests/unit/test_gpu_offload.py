@@ -486,9 +486,10 @@ def named_state(optimizer):
 
 
 @DELAYS
-@pytest.mark.parametrize("background", [False, True], ids=["filled", "background"])
+@pytest.mark.parametrize("background", [False, True, "host"], ids=["filled", "background", "background-host-fill"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
-def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, background, delay_cycles):
+def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, background, delay_cycles,
+                                                                       monkeypatch):
     """--async-save (async_saves): a save right after a step finds every chunk sent out (no GPU
     chunk buffer for megatron-core's checkpoint worker to hold through its write) and reads host
     copies only: large tensors from shared-memory snapshots that are their whole storage (the
@@ -500,7 +501,12 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     it was read; training stays bit-exact. `background` (async_save_background_fill): the save
     only takes references (every tensor a snapshot), its copy-out and the snapshots' fill finish
     in a thread while training goes on at once, and what it kept is read only at the end, after
-    the fills, as megatron-core's writer does (`snapshot_fill.writer_waits`)."""
+    the fills, as megatron-core's writer does (`snapshot_fill.writer_waits`). There the sets are
+    filled from the GPU, the freed chunk buffers read by a second D2H ([Note: device fill]);
+    `host` fills them on the host from the pinned buffer instead (save_snapshot.DEVICE_FILL off)."""
+    from megatron_offload import save_snapshot
+
+    monkeypatch.setattr(save_snapshot, "DEVICE_FILL", background is True)
     ref_losses, _, ref_digest = reference()
     ref_model, ref_opt = build()
     saved_ref, state_ref = {}, {}
@@ -512,7 +518,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     torch.cuda.empty_cache()
     model, optimizer = build()
     coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=chunked, chunk_bytes=8 * 2**20,
-                   async_saves=True, async_save_snapshots=True, async_save_background_fill=background)
+                   async_saves=True, async_save_snapshots=True, async_save_background_fill=bool(background))
     seen, kept, fills = {}, {}, {}
 
     def save(step):
@@ -527,6 +533,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
             seen[step] = dict(resident=coord.resident_bytes, cpu=all(not t.is_cuda for t in tensors),
                               snapshots=sum(whole), every_one=all(w or v for w, v in zip(whole, views)),
                               names=[n for n, _ in named])
+            seen[step]["from_device"] = sum(off.snapshots.device_bytes for off in coord.offloaders)
             if background:  # (nothing may read them until their fill is done)
                 fills[step] = coord.pending_snapshot_fills()
                 for fill in fills[step]:  # (as megatron_saves does once the request is with the writer)
@@ -540,6 +547,10 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     for step in (2, 3):
         assert seen[step]["resident"] == 0 and seen[step]["cpu"] and seen[step]["every_one"], seen
         assert seen[step]["snapshots"] > 0, seen
+        # Each save comes after a step: every value is still on the GPU, and a device fill copies
+        # every snapshot from there (the two saves took a set each, of the same size).
+        one_set = coord.snapshot_bytes // 2
+        assert seen[step]["from_device"] == ((step - 1) * one_set if background is True else 0), seen
         if background:  # the writer, long after training went on: what the state was at the save
             assert seen[step]["snapshots"] == len(kept[step]) and fills[step], seen
             for fill in fills[step]:

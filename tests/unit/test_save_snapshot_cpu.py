@@ -404,3 +404,99 @@ def test_a_set_held_only_by_a_dead_reference_cycle_is_reused():
         if enabled:
             gc.enable()
     assert [t.data_ptr() for t in again] == ptrs and len(snaps._sets) == 1
+
+
+class FakeLocks:
+    """cudaHostRegister / cudaHostUnregister for CPU tests: which pointers are page-locked."""
+
+    def __init__(self, fail_at=None):
+        self.locked, self.calls, self.fail_at = set(), 0, fail_at
+
+    def register(self, ptr, nbytes):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            return 1  # (cudaErrorInvalidValue)
+        self.locked.add(ptr)
+        return 0
+
+    def unregister(self, ptr):
+        self.locked.remove(ptr)
+        return 0
+
+
+def device_filled(locks, **kw):
+    snaps = SaveSnapshots(check=lambda n: None, register=locks.register, unregister=locks.unregister, **kw)
+    snaps.background = snaps.device_fill = True
+    return snaps
+
+
+def test_a_device_fill_copies_into_the_set_the_next_take_hands_out_and_take_skips_those():
+    """[Note: device fill]: `copy_from_device` writes the given positions into a page-locked set;
+    the next `take` of that layout hands out that very set and copies only the other positions
+    (here the take's own sources differ from the device's at the copied position, so a take
+    that rewrote it would show); positions served as fp32 are never copied from the device."""
+    locks = FakeLocks()
+    snaps = device_filled(locks)
+    host = sources(1, sizes=(1000, 2000, 300))
+    device = [host[0] + 1, None, host[2] + 7]  # (stand-ins for the GPU buffers: other values, to tell them apart)
+    unscaled = [False, False, True]
+    nbytes = snaps.copy_from_device(host, unscaled, device)
+    (made,) = snaps._sets
+    assert made.pinned and locks.locked == {t.data_ptr() for t in made.tensors}
+    assert nbytes == 1000 * 4 and snaps.device_bytes == 0
+    fp32 = [None, None, save_snapshot.Fp32(None)]
+    got = snaps.take(host, fp32, background=False)
+    assert [t.data_ptr() for t in got] == [t.data_ptr() for t in made.tensors]
+    assert torch.equal(got[0], device[0]) and torch.equal(got[1], host[1]) and torch.equal(got[2], host[2])
+    assert snaps.device_bytes == 1000 * 4
+    # Nothing claimed: the next take fills every position itself.
+    del got
+    got = snaps.take(host, fp32, background=False)
+    assert torch.equal(got[0], host[0]) and snaps.device_bytes == 1000 * 4
+
+
+def test_a_claim_of_another_layout_is_not_used():
+    """A take of another layout than the claim's (e.g. chunks still exposed by an earlier save are
+    left out of it) fills everything on the host."""
+    snaps = device_filled(FakeLocks())
+    host = sources(2, sizes=(1000, 2000))
+    snaps.copy_from_device(host, [False, False], [host[0] + 1, host[1] + 1])
+    got = snaps.take(host[:1], background=False)
+    assert torch.equal(got[0], host[0]) and snaps.device_bytes == 0
+
+
+def test_a_set_that_cannot_be_page_locked_is_filled_on_the_host(monkeypatch, caplog):
+    """A registration that fails unlocks what it had locked, clears CUDA's error, warns once, and
+    the set is filled on the host (no device copies enqueued)."""
+    cleared = []
+    monkeypatch.setattr(save_snapshot.host_buffer, "clear_cuda_error", lambda: cleared.append(1))
+    locks = FakeLocks(fail_at=2)
+    snaps = device_filled(locks)
+    host = sources(3, sizes=(1000, 2000))
+    with caplog.at_level(logging.WARNING, logger="megatron_offload.save_snapshot"):
+        assert snaps.copy_from_device(host, [False, False], [host[0] + 1, host[1] + 1]) == 0
+    assert cleared and locks.locked == set() and not snaps._sets[0].pinned
+    assert "could not be page-locked" in caplog.text
+    got = snaps.take(host, background=False)
+    assert torch.equal(got[0], host[0]) and torch.equal(got[1], host[1])
+
+
+def test_dropped_and_closed_sets_are_unlocked():
+    """Sets dropped for a new layout, and every set at `close`, give their page locks back (also
+    one still held by a pending save: its shared memory stays valid for the writer)."""
+    locks = FakeLocks()
+    snaps = device_filled(locks)
+    a = sources(4, sizes=(1000, 2000))
+    snaps.copy_from_device(a, [False, False], list(a))
+    held = [t.view(-1) for t in snaps.take(a, background=False)]  # (what a request holds: other tensors)
+    first = {t.data_ptr() for t in held}
+    b = sources(5, sizes=(500,))
+    snaps.copy_from_device(b, [False], list(b))  # another layout: a second set; the held one stays locked
+    assert len(snaps._sets) == 2 and first <= locks.locked
+    del held
+    snaps.drop_free()
+    assert locks.locked == set()
+    got = snaps.take(b, background=False)
+    assert len(snaps._sets) == 1 and locks.locked == {t.data_ptr() for t in got}
+    snaps.close()
+    assert locks.locked == set() and torch.equal(got[0], b[0])
