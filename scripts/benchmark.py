@@ -860,6 +860,8 @@ def report(results, ceilings):
                    if sv.get("plugin_collect_seconds") else "")
                 + (f", waits for snapshot fills {sv['plugin_fill_wait_seconds']:.2f} s"
                    if sv.get("plugin_fill_wait_seconds") else "")
+                + (f", {sv['plugin_device_fill_bytes'] / 2**30:.2f} GiB of snapshots copied from the GPU"
+                   if sv.get("plugin_device_fill_bytes") else "")
                 + (f", Python's collector {sv['gc_ms'] / 1e3:.2f} s" if sv.get("gc_ms", 0) >= 1 else "")
                 + f", GPU "
                 f"{(sv['max_allocated'] - sv['allocated_before']) / 2**20:+.0f} MiB, snapshots "

@@ -217,6 +217,11 @@ def _snapshot_fill_wait_seconds():
     return _from_coordinator(lambda coord: coord.snapshot_fill_wait_seconds, 0.0)
 
 
+def _snapshot_device_bytes():
+    """Snapshot bytes megatron-offload's saves copied from the GPU ([Note: device fill]), in all."""
+    return _from_coordinator(lambda coord: sum(off.snapshots.device_bytes for off in coord.offloaders), 0)
+
+
 def _snapshot_collect_seconds():
     """megatron-offload's host time in garbage collections that freed a snapshot set, so far."""
     return _from_coordinator(lambda coord: coord.snapshot_collect_seconds, 0.0)
@@ -707,6 +712,7 @@ class Recorder:
             torch.cuda.reset_peak_memory_stats()
             off_gpu = _offloaded_bytes_now()
             prep, collected, fill_waited = _host_read_seconds(), _snapshot_collect_seconds(), _snapshot_fill_wait_seconds()
+            from_device = _snapshot_device_bytes()
             gc_before, gc_counts_before = _GC_CLOCK[0], dict(_GC_COUNTS)
             t0 = time.perf_counter()
             with _save_parts() as parts:
@@ -723,6 +729,8 @@ class Recorder:
                                # reader's or a guard's; not the scheduling's own join, for a request
                                # without a preload function)
                                "plugin_fill_wait_seconds": _snapshot_fill_wait_seconds() - fill_waited,
+                               # ... snapshot bytes copied from the GPU, not on the host
+                               "plugin_device_fill_bytes": _snapshot_device_bytes() - from_device,
                                "snapshot_bytes": _snapshot_bytes(),  # shared memory for async saves, after it
                                "max_reserved": torch.cuda.max_memory_reserved(),
                                "offloaded_before": off_gpu,  # state bytes off the GPU when the save began
