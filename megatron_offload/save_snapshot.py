@@ -45,16 +45,14 @@ the writer fetches over a socket of its own, tensor by tensor.
 
 [Note: device fill]
 A background fill on the host is one memory copy of every offloaded byte, on one core, while
-training goes on, and the next copy-out into the pinned buffer must wait for it. On a CUDA device
-the sets are page-locked in place instead (`device_fill`), and a save leaves the chunks it finds on
-the GPU (the step before it wrote them: the usual case) where they are: their copy-out starts, a
-second D2H copies them from there straight into the set the save takes (`copy_from_device`,
-`HostCopies.expose_host_copies`), their tensors point at those snapshots until the next forward,
-and that forward frees them as after any step, its wait covering both copies. The save then costs
-no host copy, no GPU memory and no stream wait: only PCIe time on the copy stream, which is idle
-between a step and the next forward. The fill thread waits for that stream and copies on the host
-only what the GPU no longer held (chunks the chunked step already freed) and TE's 16-bit states
-served as fp32, which need the host's conversion.
+training goes on; and the next copy-out into the pinned buffer must wait for it. On a CUDA device the sets
+are page-locked in place instead (`device_fill`), and where the save finds a chunk's values still on the
+GPU (the step before the save wrote them: the usual case) the copy-out that sends the chunk out for the
+save is followed, on the same D2H stream, by a second one straight into the set
+(`HostCopies.send_out_now`, `copy_from_device`), before the chunk is freed. That costs PCIe time on
+the copy stream, which is otherwise idle between a step and the next forward, and no host time; the
+fill thread then only waits for that stream and copies what the GPU no longer held (chunks already
+off it, and TE's 16-bit states served as fp32, which need the host's conversion).
 """
 
 from __future__ import annotations
