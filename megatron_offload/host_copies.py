@@ -274,6 +274,8 @@ class HostCopies:
         background snapshots follows): the large tensors of the chunks still on the GPU are also
         copied from there into the snapshot set that save will take, before they are freed
         ([Note: device fill] in save_snapshot.py)."""
+        if device_snapshots:
+            self.snapshots.forget_claim()
         self.settle_unmodified()  # COPYING_IN / RESIDENT -> COPYING_OUT, D2H where stale
         going = self.chunks_in(ChunkState.COPYING_OUT)
         if device_snapshots and going and self.device.type == "cuda":

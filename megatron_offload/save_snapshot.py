@@ -19,7 +19,8 @@ One set costs host memory equal to the offloaded bytes it covers, TE's fp16 / bf
 fp32 values `get_unscaled_state` returns, see host_copies.py), in shared memory (/dev/shm, counted
 against the node's MemAvailable) for as long as training runs; a second set is made only when a
 save finds the first still held by one writing (so up to twice those bytes, kept once made). Where neither fits (`check`), the save falls back to the
-buffer's views, which the writer copies itself.
+buffer's views, which the writer copies itself. With a device fill the sets are page-locked too, so up to
+three times the offloaded bytes are then locked, with the pinned buffer.
 
 [Note: background fill]
 With `background` (OffloadConfig.async_save_background_fill, for megatron-core's own strategy), a `take` for a reader
@@ -49,10 +50,13 @@ training goes on; and the next copy-out into the pinned buffer must wait for it.
 are page-locked in place instead (`device_fill`), and where the save finds a chunk's values still on the
 GPU (the step before the save wrote them: the usual case) the copy-out that sends the chunk out for the
 save is followed, on the same D2H stream, by a second one straight into the set
-(`HostCopies.send_out_now`, `copy_from_device`), before the chunk is freed. That costs PCIe time on
-the copy stream, which is otherwise idle between a step and the next forward, and no host time; the
-fill thread then only waits for that stream and copies what the GPU no longer held (chunks already
-off it, and TE's 16-bit states served as fp32, which need the host's conversion).
+(`HostCopies.send_out_now`, `copy_from_device`), before the chunk is freed. That costs no host time,
+but PCIe time, and the free makes the compute stream wait for both copies (one copy-out's worth more
+than before); the second copy goes to the stream in one piece, outside the copy feeder's in-flight
+bound. The fill thread then only waits for that stream and copies what the GPU no longer held (chunks
+already off it, and TE's 16-bit states served as fp32, which need the host's conversion). A claim
+(`copy_from_device`) serves only the background `take` of the save that made it: every such save
+begins with `forget_claim`.
 """
 
 from __future__ import annotations
@@ -177,9 +181,12 @@ def _cuda_unregister(ptr: int) -> int:
 def _unregister_all(unregister: Callable[[int], int], ptrs: List[int], copied) -> None:
     if copied[0] is not None:
         copied[0].synchronize()  # (a device copy may still be writing into these pages)
-    for ptr in ptrs:
-        unregister(ptr)
+    failed = [err for err in (unregister(ptr) for ptr in ptrs) if err]
     ptrs.clear()
+    if failed:
+        host_buffer.clear_cuda_error()  # (else the next kernel launch raises it)
+        logger.warning("megatron-offload: unlocking an asynchronous save's snapshot set failed (CUDA error %s)",
+                       failed[0])
 
 
 class _Set:
@@ -252,6 +259,7 @@ class SaveSnapshots:
         self._unregister = unregister or _cuda_unregister
         self._threads = threads
         self._warned = False
+        self._warned_lock = False
         self.collections = 0  # garbage collections `take` ran to free a set, and their host time
         self.collect_seconds = 0.0
         self.fill_wait_seconds = 0.0  # host time `wait_filled` blocked for background fills not done
@@ -298,7 +306,8 @@ class SaveSnapshots:
         as_fp32 = as_fp32 or [None] * len(sources)
         layout = _layout(sources, [f is not None for f in as_fp32])
         claimed, self._claimed = self._claimed, None
-        if claimed is not None and claimed[0].fits(layout) and not claimed[0].in_use():
+        # (only a background take follows the claim of its own save: `forget_claim` comes first)
+        if background and claimed is not None and claimed[0].fits(layout) and not claimed[0].in_use():
             chosen, from_device = claimed
         else:
             chosen, from_device = self._choose(layout, len(sources)), frozenset()
@@ -316,6 +325,10 @@ class SaveSnapshots:
                 before()
             fill_pieces(pieces, self._threads)
         return list(chosen.tensors)
+
+    def forget_claim(self) -> None:
+        """A save begins: no claim of an earlier one (which failed before its `take`) may be used."""
+        self._claimed = None
 
     def copy_from_device(self, likes: List[torch.Tensor], unscaled: List[bool],
                          device_sources: List[Optional[torch.Tensor]]) -> int:
@@ -417,10 +430,11 @@ class SaveSnapshots:
         except (host_memory.HostMemoryError, RuntimeError) as err:
             self._warn(str(err))
             return None
-        if self.device_fill and not made.pinned:
+        if self.device_fill and not made.pinned and not self._warned_lock:
             logger.warning("megatron-offload: an asynchronous save's snapshots could not be page-locked (CUDA "
                            "error %s); they are filled on the host from the pinned buffer instead",
                            made.register_error)
+            self._warned_lock = True
         self._sets.append(made)
         return made
 

@@ -445,7 +445,8 @@ def test_a_device_fill_copies_into_the_set_the_next_take_hands_out_and_take_skip
     assert made.pinned and locks.locked == {t.data_ptr() for t in made.tensors}
     assert nbytes == 1000 * 4 and snaps.device_bytes == 0
     fp32 = [None, None, save_snapshot.Fp32(None)]
-    got = snaps.take(host, fp32, background=False)
+    got = snaps.take(host, fp32, background=True)
+    snaps.wait_filled()
     assert [t.data_ptr() for t in got] == [t.data_ptr() for t in made.tensors]
     assert torch.equal(got[0], device[0]) and torch.equal(got[1], host[1]) and torch.equal(got[2], host[2])
     assert snaps.device_bytes == 1000 * 4
@@ -461,7 +462,8 @@ def test_a_claim_of_another_layout_is_not_used():
     snaps = device_filled(FakeLocks())
     host = sources(2, sizes=(1000, 2000))
     snaps.copy_from_device(host, [False, False], [host[0] + 1, host[1] + 1])
-    got = snaps.take(host[:1], background=False)
+    got = snaps.take(host[:1], background=True)
+    snaps.wait_filled()
     assert torch.equal(got[0], host[0]) and snaps.device_bytes == 0
 
 
@@ -500,3 +502,20 @@ def test_dropped_and_closed_sets_are_unlocked():
     assert len(snaps._sets) == 1 and locks.locked == {t.data_ptr() for t in got}
     snaps.close()
     assert locks.locked == set() and torch.equal(got[0], b[0])
+
+
+def test_a_claim_left_by_a_failed_save_is_never_used():
+    """A save that claimed a set and failed before its `take` leaves the claim; the next
+    background save forgets it first (`forget_claim`), and no take but a background one uses a
+    claim: the writer never gets positions that no copy of this save wrote."""
+    snaps = device_filled(FakeLocks())
+    host = sources(6, sizes=(1000, 2000))
+    snaps.copy_from_device(host, [False, False], [host[0] + 1, host[1] + 1])  # (its save then failed)
+    got = snaps.take(host, background=False)  # a take that is not a device-filled save's
+    assert torch.equal(got[0], host[0]) and snaps.device_bytes == 0
+    del got
+    snaps.copy_from_device(host, [False, False], [host[0] + 1, host[1] + 1])
+    snaps.forget_claim()  # (the next background save begins)
+    got = snaps.take(host, background=True)
+    snaps.wait_filled()
+    assert torch.equal(got[0], host[0]) and torch.equal(got[1], host[1]) and snaps.device_bytes == 0
