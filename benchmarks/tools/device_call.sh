@@ -20,8 +20,12 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 R=${OUT:-/tmp/megatron_offload_gpu}
 mkdir -p "$R"
-nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/gpus.txt" 2>&1
-git log -1 --format=%H > "$R/device_git_head.txt" 2>/dev/null  # (the last pushed commit: the tree travels, not it)
+# The call's own records go into a folder too, so that they travel inside results.tgz: a call
+# then brings back one file however it was run (several device_call.sh runs in one command, each
+# with OUT=$OUT/NAME, stay within the 8 files a command returns).
+mkdir -p "$R/_call"
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$R/_call/gpus.txt" 2>&1
+git log -1 --format=%H > "$R/_call/device_git_head.txt" 2>/dev/null  # (the last pushed commit: the tree travels, not it)
 
 if printf '%s\n' "$@" | grep -qx '&'; then
   if printf '%s\n' "$@" | grep -Eq '(^|[: ])(TE=1|WHEELS=)'; then
@@ -32,7 +36,7 @@ if printf '%s\n' "$@" | grep -qx '&'; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || exit 1
     export PYTHONPATH=/tmp/site:$PWD WHEELS=none  # (run_gpu_suite.sh keeps a PYTHONPATH it is given)
-    python3 -c 'import megatron.core as m; print("megatron-core", m.__version__)' > "$R/versions.txt" 2>&1
+    python3 -c 'import megatron.core as m; print("megatron-core", m.__version__)' > "$R/_call/versions.txt" 2>&1
   fi
 fi
 
