@@ -193,7 +193,7 @@ class HostCopies:
             inner.get_unscaled_state = get_unscaled_state
         key = (id(st.param), _state_key(st))
         # Why an alias: readers keep what they are given, and only a new tensor object on the
-        # storage counts as a user of the set (`_Set.in_use`); the set's own object does not.
+        # storage counts as a user of the set (`SnapshotSet.in_use`); the set's own object does not.
         self._unscaled[key] = _Served(st.tensor, st.tensor._version, _state_key(st), fp32.scale, snapshot.detach())
         chunk.served_unscaled.append(key)
 

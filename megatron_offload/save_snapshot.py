@@ -68,13 +68,13 @@ import math
 import os
 import resource
 import time
-import weakref
 from typing import Callable, List, Optional
 
 import torch
 
 from . import host_buffer, host_memory
-from .snapshot_fill import Fill, fill_pieces, shared
+from .snapshot_fill import Fill, fill_pieces
+from .snapshot_set import STORAGE_USE_COUNT, SnapshotSet, cuda_unregister
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +104,11 @@ FD_MARGIN = 512
 
 
 # References to a storage (tensors and storage objects); None where torch does not expose it.
-_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+_STORAGE_USE_COUNT = STORAGE_USE_COUNT
 
 
 def _bytes(tensors: List[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _use_count(tensor: torch.Tensor) -> int:
-    """References to `tensor`'s storage, this call's own storage object included."""
-    return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata))
 
 
 def shared_memory_free() -> Optional[int]:
@@ -174,67 +169,6 @@ def _layout(likes: List[torch.Tensor], unscaled: Optional[List[bool]] = None) ->
     return [(t.shape, torch.float32 if u else t.dtype) for t, u in zip(likes, unscaled)]
 
 
-def _cuda_unregister(ptr: int) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
-
-
-def _unregister_all(unregister: Callable[[int], int], ptrs: List[int], copied) -> None:
-    if copied[0] is not None:
-        copied[0].synchronize()  # (a device copy may still be writing into these pages)
-    failed = [err for err in (unregister(ptr) for ptr in ptrs) if err]
-    ptrs.clear()
-    if failed:
-        host_buffer.clear_cuda_error()  # (else the next kernel launch raises it)
-        logger.warning("megatron-offload: unlocking an asynchronous save's snapshot set failed (CUDA error %s)",
-                       failed[0])
-
-
-class _Set:
-    """One snapshot per large tensor of a save, in the order the save's tensors were listed.
-    With `register` (device fills) every snapshot is page-locked in place, so that a D2H copy
-    writes into it directly (`SaveSnapshots.copy_from_device`); `pinned` says whether that
-    succeeded. The pages are unlocked again when the set is dropped (`release`) or collected."""
-
-    def __init__(self, layout: list, by_name: bool = False,
-                 register: Optional[Callable[[int, int], int]] = None,
-                 unregister: Callable[[int], int] = _cuda_unregister):
-        self.tensors = [shared(torch.empty(shape, dtype=dtype), by_name) for shape, dtype in layout]
-        self._own = [_use_count(t) for t in self.tensors]
-        self.layout = layout
-        self.pinned = False
-        self.register_error = 0  # the CUDA error of a registration that failed
-        self.last_device_copy = [None]  # event after the last copies `copy_from_device` enqueued
-        registered: List[int] = []
-        self._release = weakref.finalize(self, _unregister_all, unregister, registered, self.last_device_copy)
-        if register is None:
-            return
-        for t in self.tensors:
-            nbytes = t.numel() * t.element_size()
-            if nbytes == 0:
-                continue
-            err = register(t.data_ptr(), nbytes)
-            if err:
-                host_buffer.clear_cuda_error()  # (else the next kernel launch raises it)
-                self.release()
-                self.register_error = err
-                return
-            registered.append(t.data_ptr())
-        self.pinned = True
-
-    def release(self) -> None:
-        """Unlock the pages (once; after any device copy into them has finished)."""
-        self.pinned = False
-        self._release()
-
-    def in_use(self) -> bool:
-        """Whether anything besides this set still refers to a snapshot (a pending save's request,
-        state tensors still pointing at it, or an unscaled reader serving it)."""
-        return any(_use_count(t) > own for t, own in zip(self.tensors, self._own))
-
-    def fits(self, layout: list) -> bool:
-        return self.layout == layout
-
-
 class SaveSnapshots:
     """Reusable shared-memory snapshots (module docstring). Before a set is made, `check` is
     called with its bytes and `check_fds` with its number of files (tests fake the machine)."""
@@ -251,12 +185,12 @@ class SaveSnapshots:
         # the owner (background mode on a CUDA device) before any set is made.
         self.device_fill = False
         self._fills: List[Fill] = []  # background fills not known to have succeeded
-        self._sets: List[_Set] = []
+        self._sets: List[SnapshotSet] = []
         self._claimed = None  # (set, indices copied from the device) for the next `take`
         self._check = check
         self._check_fds = check_fds
         self._register = register or host_buffer._cuda_register
-        self._unregister = unregister or _cuda_unregister
+        self._unregister = unregister or cuda_unregister
         self._threads = threads
         self._warned = False
         self._warned_lock = False
@@ -356,7 +290,7 @@ class SaveSnapshots:
         self._claimed = (chosen, frozenset(done))
         return sum(_bytes([chosen.tensors[i]]) for i in done)
 
-    def _choose(self, layout: list, count: int) -> Optional[_Set]:
+    def _choose(self, layout: list, count: int) -> Optional[SnapshotSet]:
         """A free set of `layout`, made if none is free and fewer than MAX_SETS exist; None (warned)
         if there is none and none can be made."""
         chosen = self._free_set(layout)
@@ -383,7 +317,7 @@ class SaveSnapshots:
             return None
         return chosen
 
-    def _keep(self, keep: Callable[[_Set], bool]) -> None:
+    def _keep(self, keep: Callable[[SnapshotSet], bool]) -> None:
         """Drop the sets `keep` rejects, unlocking their pages (what a pending save still holds of
         them stays valid: only this process's page lock goes)."""
         kept = []
@@ -420,12 +354,12 @@ class SaveSnapshots:
         ptr = tensor.untyped_storage().data_ptr()
         return any(ptr in f.storages and not f.done for f in self._fills)
 
-    def _new_set(self, layout: list) -> Optional[_Set]:
+    def _new_set(self, layout: list) -> Optional[SnapshotSet]:
         """A new set of `layout`, kept, if the machine has room for it (else None, warned)."""
         try:
             self._check(sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout))
             self._check_fds(0 if self.background else 2 * len(layout))
-            made = _Set(layout, by_name=self.background, register=self._register if self.device_fill else None,
+            made = SnapshotSet(layout, by_name=self.background, register=self._register if self.device_fill else None,
                         unregister=self._unregister)
         except (host_memory.HostMemoryError, RuntimeError) as err:
             self._warn(str(err))
@@ -438,7 +372,7 @@ class SaveSnapshots:
         self._sets.append(made)
         return made
 
-    def _free_set(self, layout: list) -> Optional[_Set]:
+    def _free_set(self, layout: list) -> Optional[SnapshotSet]:
         return next((s for s in self._sets if s.fits(layout) and not s.in_use()), None)
 
     @staticmethod
