@@ -103,7 +103,8 @@ DEVICE_FILL = True
 FD_MARGIN = 512
 
 
-# References to a storage (tensors and storage objects); None where torch does not expose it.
+# References to a storage (tensors and storage objects); None where torch does not expose it. (A
+# name of this module's own, for its checks: SnapshotSet counts with snapshot_set's.)
 _STORAGE_USE_COUNT = STORAGE_USE_COUNT
 
 
@@ -186,7 +187,7 @@ class SaveSnapshots:
         self.device_fill = False
         self._fills: List[Fill] = []  # background fills not known to have succeeded
         self._sets: List[SnapshotSet] = []
-        self._claimed = None  # (set, indices copied from the device) for the next `take`
+        self._claimed = None  # (set, indices copied from the device) for the background `take` of the same save
         self._check = check
         self._check_fds = check_fds
         self._register = register or host_buffer._cuda_register
@@ -267,9 +268,9 @@ class SaveSnapshots:
     def copy_from_device(self, likes: List[torch.Tensor], unscaled: List[bool],
                          device_sources: List[Optional[torch.Tensor]]) -> int:
         """Enqueue on the current stream, for every source in `device_sources` that is not None
-        (a device tensor holding the values the next `take` will be given for that position), its
-        copy into the set that `take` then hands out ([Note: device fill]); `likes` and
-        `unscaled` give that take's layout. Returns the bytes enqueued (0: nothing was, and
+        (a device tensor holding the values the same save's background `take` will be given for
+        that position), its copy into the set that take then hands out ([Note: device fill]);
+        `likes` and `unscaled` give that take's layout. Returns the bytes enqueued (0: nothing was, and
         `take` fills everything itself). The copies must have finished before the set is read:
         `take`'s `before` waits for the stream they run on."""
         self._claimed = None

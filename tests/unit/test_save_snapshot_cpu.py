@@ -519,3 +519,18 @@ def test_a_claim_left_by_a_failed_save_is_never_used():
     got = snaps.take(host, background=True)
     snaps.wait_filled()
     assert torch.equal(got[0], host[0]) and torch.equal(got[1], host[1]) and snaps.device_bytes == 0
+
+
+def test_a_failed_unlock_clears_the_cuda_error_and_warns(monkeypatch, caplog):
+    """cudaHostUnregister failing (here for every page range) must not leave CUDA's last error
+    for an unrelated kernel launch to raise: it is cleared, and said once."""
+    cleared = []
+    monkeypatch.setattr(save_snapshot.host_buffer, "clear_cuda_error", lambda: cleared.append(1))
+    locks = FakeLocks()
+    locks.unregister = lambda ptr: 1  # (cudaErrorInvalidValue)
+    snaps = device_filled(locks)
+    host = sources(7, sizes=(1000, 2000))
+    snaps.copy_from_device(host, [False, False], list(host))
+    with caplog.at_level(logging.WARNING, logger="megatron_offload.snapshot_set"):
+        snaps.close()
+    assert cleared == [1] and "unlocking" in caplog.text
