@@ -47,6 +47,11 @@ def _cuda_register(ptr: int, nbytes: int) -> int:
     return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
 
 
+def cuda_unregister(ptr: int) -> int:
+    """cudaHostUnregister(ptr); the CUDA error code."""
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
 def _cuda_error_string(err: int) -> str:
     try:
         return str(torch.cuda.cudart().cudaGetErrorString(err))
@@ -173,7 +178,7 @@ class PinnedHostBuffer:
         """Unpin. Views taken from this buffer must not be used for copies afterwards; the memory
         itself goes when the last view does."""
         if self._registered_ptr is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            cuda_unregister(self._registered_ptr)
             self._registered_ptr = None
         self.pinning = "pageable"
 

@@ -270,15 +270,15 @@ class HostCopies:
         """Every chunk OFFLOADED with a current host copy, without allocating on the GPU: the
         chunks still resident are copied out if their host copy is stale and freed, those coming
         back (their host copy is what they load) are freed once their H2D is done. The host does
-        not wait here; `expose_host_copies` does. `device_snapshots` (an asynchronous save with
-        background snapshots follows): the large tensors of the chunks still on the GPU are also
+        not wait here; `expose_host_copies` does. `device_snapshots` (an asynchronous save whose
+        snapshot sets are filled from the GPU follows: `SaveSnapshots.device_fill`): the large tensors of the chunks still on the GPU are also
         copied from there into the snapshot set that save will take, before they are freed
         ([Note: device fill] in save_snapshot.py)."""
         if device_snapshots:
             self.snapshots.forget_claim()
         self.settle_unmodified()  # COPYING_IN / RESIDENT -> COPYING_OUT, D2H where stale
         going = self.chunks_in(ChunkState.COPYING_OUT)
-        if device_snapshots and going and self.device.type == "cuda":
+        if device_snapshots and going:  # (`device_fill`: a CUDA device's)
             self._snapshot_from_device(going)
         self.free(going)
 

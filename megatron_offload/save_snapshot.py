@@ -74,7 +74,7 @@ import torch
 
 from . import host_buffer, host_memory
 from .snapshot_fill import Fill, fill_pieces
-from .snapshot_set import STORAGE_USE_COUNT, SnapshotSet, cuda_unregister
+from .snapshot_set import STORAGE_USE_COUNT, SnapshotSet
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class SaveSnapshots:
         self._check = check
         self._check_fds = check_fds
         self._register = register or host_buffer._cuda_register
-        self._unregister = unregister or cuda_unregister
+        self._unregister = unregister or host_buffer.cuda_unregister
         self._threads = threads
         self._warned = False
         self._warned_lock = False
@@ -248,10 +248,9 @@ class SaveSnapshots:
             chosen, from_device = self._choose(layout, len(sources)), frozenset()
         if chosen is None:
             return None
-        self.device_bytes += sum(_bytes([chosen.tensors[i]]) for i in from_device)
-        pieces = self._pieces([t for i, t in enumerate(chosen.tensors) if i not in from_device],
-                              [t for i, t in enumerate(sources) if i not in from_device],
-                              [f for i, f in enumerate(as_fp32) if i not in from_device])
+        self.device_bytes += _bytes([chosen.tensors[i] for i in from_device])
+        rest = [i for i in range(len(sources)) if i not in from_device]
+        pieces = self._pieces([chosen.tensors[i] for i in rest], [sources[i] for i in rest], [as_fp32[i] for i in rest])
         if background:
             self._fills.append(Fill(chosen.tensors, pieces, min(self._threads, BACKGROUND_COPY_THREADS), before,
                                     start=BACKGROUND_FILL_AT_TAKE))
@@ -289,7 +288,7 @@ class SaveSnapshots:
             chosen.last_device_copy[0] = torch.cuda.Event()
             chosen.last_device_copy[0].record()
         self._claimed = (chosen, frozenset(done))
-        return sum(_bytes([chosen.tensors[i]]) for i in done)
+        return _bytes([chosen.tensors[i] for i in done])
 
     def _choose(self, layout: list, count: int) -> Optional[SnapshotSet]:
         """A free set of `layout`, made if none is free and fewer than MAX_SETS exist; None (warned)
@@ -361,7 +360,7 @@ class SaveSnapshots:
             self._check(sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout))
             self._check_fds(0 if self.background else 2 * len(layout))
             made = SnapshotSet(layout, by_name=self.background, register=self._register if self.device_fill else None,
-                        unregister=self._unregister)
+                               unregister=self._unregister)
         except (host_memory.HostMemoryError, RuntimeError) as err:
             self._warn(str(err))
             return None

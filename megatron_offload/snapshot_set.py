@@ -25,10 +25,6 @@ def _use_count(tensor: torch.Tensor) -> int:
     return int(STORAGE_USE_COUNT(tensor.untyped_storage()._cdata))
 
 
-def cuda_unregister(ptr: int) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
-
-
 def _unregister_all(unregister: Callable[[int], int], ptrs: List[int], copied) -> None:
     if copied[0] is not None:
         copied[0].synchronize()  # (a device copy may still be writing into these pages)
@@ -48,7 +44,7 @@ class SnapshotSet:
 
     def __init__(self, layout: list, by_name: bool = False,
                  register: Optional[Callable[[int, int], int]] = None,
-                 unregister: Callable[[int], int] = cuda_unregister):
+                 unregister: Callable[[int], int] = host_buffer.cuda_unregister):
         self.tensors = [shared(torch.empty(shape, dtype=dtype), by_name) for shape, dtype in layout]
         self._own = [_use_count(t) for t in self.tensors]
         self.layout = layout

@@ -65,8 +65,7 @@ class StateAccess:
                 # Everything leaves first; the save then reads host copies only (the D2H that a
                 # save without the plugin makes the worker do while training waits), the large
                 # ones from shared-memory snapshots that the worker maps without a copy.
-                self._send_out_now(off, device_snapshots=(references_only and self.config.async_save_snapshots
-                                                          and off.snapshots.background))
+                self._send_out_now(off, device_snapshots=references_only and off.snapshots.device_fill)
             off.expose_host_copies(for_async_writer=self.config.async_save_snapshots and not enclosing,
                                    references_only=references_only)
             self.host_read_seconds += time.perf_counter() - started
