@@ -90,8 +90,12 @@ class HostCopies:
         TE's fp16 states get host copies of the scales too (`_scales_to_host`).
         `references_only` (with `for_async_writer` and background snapshots): the reader only
         collects references, so the copy-out still in flight and the snapshots' fill finish in
-        the background ([Note: background fill] in save_snapshot.py)."""
+        the background ([Note: background fill] in save_snapshot.py). Where the sets are filled
+        from the GPU (`SaveSnapshots.device_fill`), COPYING_OUT chunks are exposed too, still on
+        the GPU: their tensors point at snapshots copied from there, and the next forward frees
+        them as after any step ([Note: device fill])."""
         offloaded = self.chunks_in(ChunkState.OFFLOADED)
+        in_place = for_async_writer and references_only and self.snapshots.device_fill
         if repoint:
             # Why: a writer rewrites the host copies that a background fill may still be reading.
             self.snapshots.wait_filled()
@@ -105,10 +109,15 @@ class HostCopies:
                 if chunk.on_host:
                     self._point_at(chunk, chunk.host)
                     self._stop_serving_unscaled(chunk)
-        chunks = [c for c in offloaded if not c.on_host]
+        chunks = [c for c in (self.chunks_in(ChunkState.OFFLOADED, ChunkState.COPYING_OUT) if in_place else offloaded)
+                  if not c.on_host]
         if not chunks:
             return 0
         background = for_async_writer and references_only and self.snapshots.background
+        if in_place:
+            self.snapshots.forget_claim()  # (a claim of an earlier save that failed before its take)
+            self.flush_copy_out(chunks)  # (the fill may read host copies: their D2H enqueued before the event below)
+            self._snapshot_from_device([c for c in chunks if c.state is ChunkState.COPYING_OUT], chunks)
         copied_out = None
         if self.device.type == "cuda":
             # Why: the host is about to read the copies itself. The compute stream waited for
@@ -125,8 +134,8 @@ class HostCopies:
         for chunk in chunks:
             # The scales first: their device copy may fail, before anything points at the host.
             self._scales_to_host(chunk)
-            # The GPU views (of the freed, zero-size storage) cannot be sliced anew until the
-            # storage is re-allocated: keep them for `hide_host_copies`.
+            # The GPU views (of the freed, zero-size storage, or of the live one of a chunk still
+            # COPYING_OUT) cannot be sliced anew while it is freed: keep them for `hide_host_copies`.
             chunk.gpu_views = [st.tensor.data for st in chunk.tensors]
             self._point_at(chunk, chunk.host)
             chunk.on_host = True
@@ -266,37 +275,28 @@ class HostCopies:
         masters = master_ids(self.dist_opt)  # (all offloaded: nothing is kept)
         return all(id(st.param) in masters for c in self.chunks for st in c.tensors)
 
-    def send_out_now(self, device_snapshots: bool = False) -> None:
+    def send_out_now(self) -> None:
         """Every chunk OFFLOADED with a current host copy, without allocating on the GPU: the
         chunks still resident are copied out if their host copy is stale and freed, those coming
         back (their host copy is what they load) are freed once their H2D is done. The host does
-        not wait here; `expose_host_copies` does. `device_snapshots` (an asynchronous save whose
-        snapshot sets are filled from the GPU follows: `SaveSnapshots.device_fill`): the large tensors of the chunks still on the GPU are also
-        copied from there into the snapshot set that save will take, before they are freed
-        ([Note: device fill] in save_snapshot.py)."""
-        if device_snapshots:
-            self.snapshots.forget_claim()
+        not wait here; `expose_host_copies` does."""
         self.settle_unmodified()  # COPYING_IN / RESIDENT -> COPYING_OUT, D2H where stale
-        going = self.chunks_in(ChunkState.COPYING_OUT)
-        if device_snapshots and going:  # (`device_fill`: a CUDA device's)
-            self._snapshot_from_device(going)
-        self.free(going)
+        self.free(self.chunks_in(ChunkState.COPYING_OUT))
 
-    def _snapshot_from_device(self, going) -> None:
-        """Enqueue the copies of `going`'s large tensors (COPYING_OUT: their GPU buffers hold the
+    def _snapshot_from_device(self, on_gpu, listed) -> None:
+        """Enqueue the copies of `on_gpu`'s tensors (COPYING_OUT: their GPU buffers hold the
         values, and the compute stream is ordered after anything still writing them) into the
-        snapshot set the next `_point_at_snapshots` of the whole state takes, after their
-        copy-outs on the D2H stream; the chunks' `ready` then covers both, so that `free` holds
-        the compute stream until the GPU buffers have been read."""
+        snapshot set that `_point_at_snapshots(listed)` takes next, on the D2H stream after the
+        chunks' own copy-outs; the chunks' `ready` then covers both, so that whoever frees them
+        holds the compute stream until the GPU buffers have been read ([Note: device fill] in
+        save_snapshot.py)."""
         inner = getattr(self.dist_opt, "optimizer", None)
-        ids = {id(c) for c in going}
-        # (the order and selection of `_point_at_snapshots` once every chunk is OFFLOADED)
-        large = [(c, st) for c in self.chunks for st in c.tensors if self.snapshots.selects(st.tensor)]
+        ids = {id(c) for c in on_gpu}
+        large = [(c, st) for c in listed for st in c.tensors if self.snapshots.selects(st.tensor)]
         unscaled = [_as_fp32(inner, st) is not None for _, st in large]
         sources = [st.tensor.data if id(c) in ids and not u else None for (c, st), u in zip(large, unscaled)]
         if not any(src is not None for src in sources):
             return
-        self.flush_copy_out(going)
         s = self.streams
         with s.on_d2h() as stream:
             # Why: the copies read what the step (or an H2D the compute stream waited for) wrote.
@@ -308,7 +308,7 @@ class HostCopies:
                 return
             ready = s.record(stream)
             s.stats.end_copy(timer, stream, nbytes)
-        for chunk in going:
+        for chunk in on_gpu:
             chunk.ready = ready  # (one D2H stream: the later event covers the chunk's own copy-out)
 
     def accept_host_writes(self) -> None:
@@ -340,15 +340,15 @@ class HostCopies:
         return current == {id(st.tensor) for c in self.chunks for st in c.tensors}
 
     def hide_host_copies(self) -> int:
-        """Undo `expose_host_copies` for chunks still OFFLOADED: point their tensors back at the
-        (freed) GPU buffer. Called once the reader is certainly done (the next forward), because
+        """Undo `expose_host_copies` for chunks still OFFLOADED (or still COPYING_OUT, exposed in
+        place): point their tensors back at the (freed) GPU buffer. Called once the reader is certainly done (the next forward), because
         code outside the step treats the state as GPU tensors even while its storage is freed:
         `DistributedOptimizer.step` assigns each master its `.grad` (a CUDA tensor) before the
         inner step reloads it, which fails on a CPU view (the first step after a save, with a
         chunked step whose budget leaves chunks off; see [Note: host views and .grad] in
         docs/design.md). The optimizer's own scales come back too (`_scales_back`). Returns the
         number of chunks hidden."""
-        chunks = [c for c in self.chunks_in(ChunkState.OFFLOADED) if c.on_host]
+        chunks = [c for c in self.chunks if c.on_host]
         for chunk in chunks:
             for st, view in zip(chunk.tensors, chunk.gpu_views):
                 st.tensor.data = view

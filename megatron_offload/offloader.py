@@ -283,6 +283,10 @@ class OptimizerStateOffloader(Packing, HostCopies, StateMaterialization):
         """
         if chunks is None:
             chunks = self.chunks
+        for chunk in chunks:
+            if chunk.on_host and chunk.state is not ChunkState.OFFLOADED:  # exposed in place (expose_host_copies)
+                self._point_at(chunk, chunk.buffer)
+                self._off_host(chunk)
         self.flush_copy_out(chunks)
         self.start_copy_in([c for c in chunks if c.state is ChunkState.OFFLOADED])
         s = self.streams

@@ -46,15 +46,17 @@ the writer fetches over a socket of its own, tensor by tensor.
 
 [Note: device fill]
 A background fill on the host is one memory copy of every offloaded byte, on one core, while
-training goes on; and the next copy-out into the pinned buffer must wait for it. On a CUDA device the sets
-are page-locked in place instead (`device_fill`), and where the save finds a chunk's values still on the
-GPU (the step before the save wrote them: the usual case) the copy-out that sends the chunk out for the
-save is followed, on the same D2H stream, by a second one straight into the set
-(`HostCopies.send_out_now`, `copy_from_device`), before the chunk is freed. That costs no host time,
-but PCIe time, and the free makes the compute stream wait for both copies (one copy-out's worth more
-than before); the second copy goes to the stream in one piece, outside the copy feeder's in-flight
-bound. The fill thread then only waits for that stream and copies what the GPU no longer held (chunks
-already off it, and TE's 16-bit states served as fp32, which need the host's conversion). A claim
+training goes on, and the next copy-out into the pinned buffer must wait for it. On a CUDA device
+the sets are page-locked in place instead (`device_fill`), and a save leaves the chunks it finds on
+the GPU (the step before it wrote them: the usual case) where they are: their copy-out starts, a
+second D2H copies them from there straight into the set the save takes (`copy_from_device`,
+`HostCopies.expose_host_copies`), their tensors point at those snapshots until the next forward,
+and that forward frees them as after any step, its wait covering both copies. The save then costs
+no host copy and no GPU memory, and waits for no copy itself: the wait moves to the next forward's
+frees, by when the copies have had the rest of the save to run. The second copy goes to the D2H
+stream in one piece, outside the copy feeder's in-flight bound. The fill thread waits for that
+stream and copies on the host only what the GPU no longer held (chunks the chunked step already
+freed) and TE's 16-bit states served as fp32, which need the host's conversion. A claim
 (`copy_from_device`) serves only the background `take` of the save that made it: every such save
 begins with `forget_claim`.
 """

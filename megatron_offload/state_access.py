@@ -65,7 +65,13 @@ class StateAccess:
                 # Everything leaves first; the save then reads host copies only (the D2H that a
                 # save without the plugin makes the worker do while training waits), the large
                 # ones from shared-memory snapshots that the worker maps without a copy.
-                self._send_out_now(off, device_snapshots=references_only and off.snapshots.device_fill)
+                # Where those are filled from the GPU (every tensor a snapshot), nothing needs
+                # to leave now: the copy-out starts, and the chunks stay until the next forward
+                # frees them as after any step ([Note: device fill] in save_snapshot.py).
+                if references_only and off.snapshots.device_fill:
+                    self._start_copy_out_now(off)
+                else:
+                    self._send_out_now(off)
             off.expose_host_copies(for_async_writer=self.config.async_save_snapshots and not enclosing,
                                    references_only=references_only)
             self.host_read_seconds += time.perf_counter() - started
@@ -163,12 +169,19 @@ class StateAccess:
         if first is not None:
             raise first
 
-    def _send_out_now(self, off: OptimizerStateOffloader, device_snapshots: bool = False) -> None:
+    def _send_out_now(self, off: OptimizerStateOffloader) -> None:
         """Every chunk of `off` OFFLOADED now (`send_out_now`); a copy-out owed since the step
         (stepped, still resident) is part of it."""
         if off in self._copy_out_due:
             self._copy_out_due.remove(off)
-        off.send_out_now(device_snapshots=device_snapshots)
+        off.send_out_now()
+
+    def _start_copy_out_now(self, off: OptimizerStateOffloader) -> None:
+        """Every chunk of `off` still on the GPU COPYING_OUT now, nothing freed (`settle_unmodified`):
+        a copy-out owed since the step is enqueued now."""
+        if off in self._copy_out_due:
+            self._copy_out_due.remove(off)
+        off.settle_unmodified()
 
     def _hide_host_copies(self) -> None:
         """A save that read state on the host (`before_state_access`) is done with the state

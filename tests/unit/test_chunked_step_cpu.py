@@ -845,16 +845,21 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+@pytest.mark.parametrize("device_fill", [False, True], ids=["host-fill", "device-fill"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
-def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
+def test_a_background_fill_is_read_only_once_complete(chunked, device_fill, monkeypatch):
     """[Note: background fill] (async_save_background_fill): a save's `sharded_state_dict` returns
     while its snapshots still fill (here each fill first sleeps). What reads them waits: the
     writer (`writer_waits` on the flags it is handed), a reader of values nested in the save (a
     gather, `get_parameter_state_dp_zero`), dist-checkpointing itself where it would read a
     snapshot in this process (a ShardedTensor over a view of one: cloned for the writer), and the
     copy-outs of the next iterations, which rewrite the host copies the fill reads: the writer
-    gets the state as it was at the save, and training stays bit-exact."""
+    gets the state as it was at the save, and training stays bit-exact. `device_fill` ([Note:
+    device fill]; the CPU stands in for the GPU, page locks faked): the save leaves the chunks
+    still on the device where they are (COPYING_OUT, their tensors pointing at snapshots copied
+    from there), and the next forward frees them."""
     from megatron.core.dist_checkpointing import ShardedTensor
+    from test_save_snapshot_cpu import FakeLocks
 
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
@@ -868,9 +873,16 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
     coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=True, async_save_snapshots=True,
                        async_save_background_fill=True)
     off = coord.add_optimizer(opt)
+    locks = FakeLocks()
+    off.snapshots.device_fill = device_fill
+    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
     seen = {}
 
     def save(model_sd, is_loading=False, view=False, gather=False):
+        seen["on_device"] = [c.state for c in off.chunks if c.state is not ChunkState.OFFLOADED]
+        seen["on_device_bytes"] = sum(st.tensor.nbytes for c in off.chunks if c.state is not ChunkState.OFFLOADED
+                                      for st in c.tensors)
+        seen["from_device"] = off.snapshots.device_bytes
         tensors = {st.name: st.tensor for c in off.chunks for st in c.tensors}
         seen["pending"] = any(off.snapshots.filling(t) for t in tensors.values())
         seen["whole"] = all(off.snapshots.filling(t) and t.untyped_storage().nbytes() == t.nbytes
@@ -893,8 +905,17 @@ def test_a_background_fill_is_read_only_once_complete(chunked, monkeypatch):
             iteration(opt, coord, step)
             step += 1
         expected = {st.name: st.tensor.clone() for st in find_state_tensors(ref, CPU).tensors}
+        from_device = off.snapshots.device_bytes
         sharded = opt.sharded_state_dict({}, view=view, gather=gather)
         assert seen["pending"] and seen["whole"]
+        if device_fill:
+            # The chunks still on the device stay there (every one after the whole step, those the
+            # chunked step's budget kept after it), and what they hold is copied from there.
+            assert set(seen["on_device"]) == {ChunkState.COPYING_OUT}, seen
+            assert chunked or len(seen["on_device"]) == len(off.chunks), seen
+            assert off.snapshots.device_bytes - from_device == seen["on_device_bytes"] > 0
+        else:
+            assert seen["on_device"] == [] and off.snapshots.device_bytes == 0
         # The save waited for its fills itself where something in this process reads them.
         assert any(not f.done for f in off.snapshots._fills) == (not view and not gather), (view, gather)
         if gather:

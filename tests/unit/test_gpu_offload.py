@@ -502,8 +502,9 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     only takes references (every tensor a snapshot), its copy-out and the snapshots' fill finish
     in a thread while training goes on at once, and what it kept is read only at the end, after
     the fills, as megatron-core's writer does (`snapshot_fill.writer_waits`). There the sets are
-    filled from the GPU, the freed chunk buffers read by a second D2H ([Note: device fill]);
-    `host` fills them on the host from the pinned buffer instead (save_snapshot.DEVICE_FILL off)."""
+    filled from the GPU where the chunks still are, which stay there until the next forward
+    frees them ([Note: device fill]); `host` sends everything out and fills the sets on the host
+    from the pinned buffer instead (save_snapshot.DEVICE_FILL off)."""
     from megatron_offload import save_snapshot
 
     monkeypatch.setattr(save_snapshot, "DEVICE_FILL", background is True)
@@ -545,7 +546,10 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
 
     losses, _ = train(model, optimizer, coord, between_steps=save)
     for step in (2, 3):
-        assert seen[step]["resident"] == 0 and seen[step]["cpu"] and seen[step]["every_one"], seen
+        # (a device fill leaves the chunks on the GPU until the next forward; the save reads none there)
+        assert seen[step]["cpu"] and seen[step]["every_one"], seen
+        assert (seen[step]["resident"] > 0 if background is True and not chunked else True), seen
+        assert (seen[step]["resident"] == 0 if background is not True else True), seen
         assert seen[step]["snapshots"] > 0, seen
         # Each save comes after a step, and a device fill copies from the GPU what is still there:
         # every chunk after the whole step, those its budget kept after the chunked step (the rest
