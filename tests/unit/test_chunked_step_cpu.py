@@ -1104,3 +1104,79 @@ def test_an_async_save_with_nothing_offloaded_leaves_the_phase_alone():
         pass
     assert coord.phase is Phase.NO_STATE
     coord.close()
+
+
+@pytest.mark.parametrize("then", ["gpu_read", "gpu_write", "second_save", "hide", "close"])
+def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
+    """[Note: device fill] (the CPU stands in for the GPU, page locks faked): a save leaves the
+    chunks on the device, their tensors pointing at snapshots, until the next forward. Whatever
+    comes before that forward sees a consistent state: a reader or writer that takes the state
+    on the device gets the chunk buffers again (a write lands there, not in the snapshots the
+    writer still reads); a second save reads the first one's snapshots; the forward's hiding
+    (before it frees anything) and `close` bring the tensors back. The writer reads the state as it was at the save, and training after it
+    stays bit-exact (the write made in both runs)."""
+    from megatron_offload import snapshot_fill
+    from megatron_offload.discovery import find_state_tensors
+    from test_offloader_cpu import CPU, make_coord, one_iteration
+    from test_save_snapshot_cpu import FakeLocks
+
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
+                       async_save_background_fill=True)
+    off = coord.add_optimizer(opt)
+    locks = FakeLocks()
+    off.snapshots.device_fill = True
+    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    coord.offload_existing_state()
+
+    def in_buffer(st, chunk):
+        return st.tensor.untyped_storage().data_ptr() == chunk.buffer.untyped_storage().data_ptr()
+
+    step = 0
+    for _ in range(2):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+        step += 1
+    expected = {st.name: st.tensor.clone() for st in find_state_tensors(ref, CPU).tensors}
+    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
+        handed = {st.name: st.tensor.view(-1) for c in off.chunks for st in c.tensors}
+    assert all(c.state is ChunkState.COPYING_OUT and c.on_host for c in off.chunks)
+    assert not any(in_buffer(st, c) for c in off.chunks for st in c.tensors)
+    fills = coord.pending_snapshot_fills()
+    for fill in fills:
+        fill.start()
+    if then in ("gpu_read", "gpu_write"):
+        write = then == "gpu_write"
+        with coord.state_access(coord.offloaders, will_modify=write):
+            assert all(in_buffer(st, c) and not c.on_host for c in off.chunks for st in c.tensors)
+            if write:
+                with torch.no_grad():
+                    for c in off.chunks:
+                        for st in c.tensors:
+                            st.tensor.mul_(2)
+        if write:
+            with torch.no_grad():
+                for st in find_state_tensors(ref, CPU).tensors:
+                    st.tensor.mul_(2)
+    elif then == "second_save":
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
+            again = {st.name: st.tensor.view(-1) for c in off.chunks for st in c.tensors}
+        assert all(again[k].data_ptr() == v.data_ptr() for k, v in handed.items())  # (the same snapshots)
+    elif then == "hide":  # (what forward_begin does first; the chunks stay until its frees)
+        coord._hide_host_copies()
+        assert all(c.state is ChunkState.COPYING_OUT and not c.on_host for c in off.chunks)
+        assert all(in_buffer(st, c) for c in off.chunks for st in c.tensors)
+    else:
+        coord.close()
+        assert all(in_buffer(st, c) for c in off.chunks for st in c.tensors)
+    snapshot_fill.check_written(fills)
+    assert_bitwise_equal({k: v.clone() for k, v in handed.items()}, {k: v.view(-1) for k, v in expected.items()})
+    if then != "close":
+        for _ in range(2):
+            make_grads(ref.all_params(), step)
+            ref.step()
+            one_iteration(opt, coord, step)
+            step += 1
+        coord.close()
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
