@@ -79,6 +79,9 @@ class PhaseSwitch:
         after the copies (the host is not blocked); chunks end resident with their host copy
         current, so the per-step offload frees them again at the next forward without a copy."""
         self._check_switch("restore_all")
+        # Why: a save may have left tensors at its snapshots, of chunks still on the GPU too
+        # (an in-place device fill), which no copy-in below would point back.
+        self._hide_host_copies()
         incoming = [(off, off.chunks_in(ChunkState.OFFLOADED)) for off in self.offloaders]
         moved = sum(off.start_copy_in(chunks) for off, chunks in incoming)
         events = [c.ready for _, chunks in incoming for c in chunks]

@@ -1106,14 +1106,15 @@ def test_an_async_save_with_nothing_offloaded_leaves_the_phase_alone():
     coord.close()
 
 
-@pytest.mark.parametrize("then", ["gpu_read", "gpu_write", "second_save", "hide", "close"])
+@pytest.mark.parametrize("then", ["gpu_read", "gpu_write", "second_save", "hide", "restore_all", "close"])
 def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     """[Note: device fill] (the CPU stands in for the GPU, page locks faked): a save leaves the
     chunks on the device, their tensors pointing at snapshots, until the next forward. Whatever
     comes before that forward sees a consistent state: a reader or writer that takes the state
     on the device gets the chunk buffers again (a write lands there, not in the snapshots the
     writer still reads); a second save reads the first one's snapshots; the forward's hiding
-    (before it frees anything) and `close` bring the tensors back. The writer reads the state as it was at the save, and training after it
+    (before it frees anything), an RL phase switch's `restore_all` and `close` bring the tensors
+    back. The writer reads the state as it was at the save, and training after it
     stays bit-exact (the write made in both runs)."""
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
@@ -1163,6 +1164,9 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
         with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
             again = {st.name: st.tensor.view(-1) for c in off.chunks for st in c.tensors}
         assert all(again[k].data_ptr() == v.data_ptr() for k, v in handed.items())  # (the same snapshots)
+    elif then == "restore_all":  # (an RL phase switch between steps)
+        coord.restore_all().wait()
+        assert all(in_buffer(st, c) and not c.on_host for c in off.chunks for st in c.tensors)
     elif then == "hide":  # (what forward_begin does first; the chunks stay until its frees)
         coord._hide_host_copies()
         assert all(c.state is ChunkState.COPYING_OUT and not c.on_host for c in off.chunks)
