@@ -503,8 +503,9 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     in a thread while training goes on at once, and what it kept is read only at the end, after
     the fills, as megatron-core's writer does (`snapshot_fill.writer_waits`). There the sets are
     filled from the GPU where the chunks still are, which stay there until the next forward
-    frees them ([Note: device fill]); `host` sends everything out and fills the sets on the host
-    from the pinned buffer instead (save_snapshot.DEVICE_FILL off)."""
+    frees them ([Note: device fill]), and after the first such save a GPU writer runs before
+    the next forward; `host` sends everything out and fills the sets on the host from the
+    pinned buffer instead (save_snapshot.DEVICE_FILL off)."""
     from megatron_offload import save_snapshot
 
     monkeypatch.setattr(save_snapshot, "DEVICE_FILL", background is True)
@@ -543,6 +544,19 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
                 seen[step].update(digest=digest(model, optimizer), state=tensors_digest(tensors))
             # The writer's request: the tensors themselves (snapshots), copies of the views.
             kept[step] = [t.detach() if w else t.clone() for t, w in zip(tensors, whole)]
+        if background is True and step == 2:
+            # A writer on the GPU before the next forward (the state comes back from where the
+            # save left it): it must run after the copies into the set, which still read the
+            # chunk buffers. Doubled and halved (exact): a write the snapshot copy saw would show.
+            with coord.state_access(coord.offloaders, will_modify=True), torch.no_grad():
+                for off in coord.offloaders:
+                    for c in off.chunks:
+                        for st in c.tensors:
+                            st.tensor.mul_(2)
+                for off in coord.offloaders:
+                    for c in off.chunks:
+                        for st in c.tensors:
+                            st.tensor.div_(2)
 
     losses, _ = train(model, optimizer, coord, between_steps=save)
     for step in (2, 3):
