@@ -1106,13 +1106,13 @@ def test_an_async_save_with_nothing_offloaded_leaves_the_phase_alone():
     coord.close()
 
 
-@pytest.mark.parametrize("then", ["gpu_read", "gpu_write", "second_save", "hide", "restore_all", "close"])
+@pytest.mark.parametrize("then", ["gpu_read", "gpu_write", "host_write", "second_save", "hide", "restore_all", "close"])
 def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     """[Note: device fill] (the CPU stands in for the GPU, page locks faked): a save leaves the
     chunks on the device, their tensors pointing at snapshots, until the next forward. Whatever
     comes before that forward sees a consistent state: a reader or writer that takes the state
     on the device gets the chunk buffers again (a write lands there, not in the snapshots the
-    writer still reads); a second save reads the first one's snapshots; the forward's hiding
+    writer still reads), and a load that writes into the host copies gets those; a second save reads the first one's snapshots; the forward's hiding
     (before it frees anything), an RL phase switch's `restore_all` and `close` bring the tensors
     back. The writer reads the state as it was at the save, and training after it
     stays bit-exact (the write made in both runs)."""
@@ -1121,7 +1121,9 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     from test_offloader_cpu import CPU, make_coord, one_iteration
     from test_save_snapshot_cpu import FakeLocks
 
-    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    # (torch Adam with every moment a master's: what a load writes into on the host)
+    factory = (lambda: FakeDistOpt(fp32_numels=())) if then == "host_write" else MegatronShapedMany
+    ref, opt = factory(), factory()
     coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
                        async_save_background_fill=True)
     off = coord.add_optimizer(opt)
@@ -1160,6 +1162,19 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
             with torch.no_grad():
                 for st in find_state_tensors(ref, CPU).tensors:
                     st.tensor.mul_(2)
+    elif then == "host_write":  # (a torch_dist load into torch Adam: it writes into the host copies)
+        assert off.host_writes_supported()
+        with coord.state_access(coord.offloaders, will_modify=True, host_copies_ok=True):
+            host = {c.index: (c.host.data_ptr(), c.host.data_ptr() + c.nbytes) for c in off.chunks}
+            assert all(host[c.index][0] <= st.tensor.data_ptr() < host[c.index][1]
+                       for c in off.chunks for st in c.tensors)
+            with torch.no_grad():
+                for c in off.chunks:
+                    for st in c.tensors:
+                        st.tensor.mul_(2)
+        with torch.no_grad():
+            for st in find_state_tensors(ref, CPU).tensors:
+                st.tensor.mul_(2)
     elif then == "second_save":
         with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
             again = {st.name: st.tensor.view(-1) for c in off.chunks for st in c.tensors}
