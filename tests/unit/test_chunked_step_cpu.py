@@ -1199,3 +1199,57 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
             step += 1
         coord.close()
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
+
+
+@pytest.mark.parametrize("moments", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments):
+    """[Note: device fill] with TE's 16-bit states (the CPU stands in for the GPU, page locks
+    faked): the chunks stay on the device through the save; the fp32 masters are copied into
+    the set from there, the 16-bit moments are served as the fp32 values TE computes (converted
+    on the host from the host copies the save's copy-out wrote); the writer reads TE's bits, and
+    training after the save stays bit-exact."""
+    from megatron_offload import snapshot_fill
+    from test_offloader_cpu import make_coord, one_iteration
+    from test_save_snapshot_cpu import FakeLocks
+
+    ref, opt = (MegatronShapedPrecisionAware(numels=MANY, moment_dtype=moments) for _ in range(2))
+    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
+                       async_save_background_fill=True)
+    off = coord.add_optimizer(opt)
+    locks = FakeLocks()
+    off.snapshots.device_fill = True
+    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    coord.offload_existing_state()
+
+    def params(o):
+        return [p for g in o.optimizer.param_groups for p in g["params"]]
+
+    keys = ("exp_avg", "exp_avg_sq", "master_param")
+    step = 0
+    for _ in range(2):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+        step += 1
+    from_device = off.snapshots.device_bytes
+    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
+        assert all(c.state is ChunkState.COPYING_OUT for c in off.chunks)
+        got = [{k: opt.optimizer.get_unscaled_state(p, k) for k in keys} for p in params(opt)]
+    assert off.snapshots.device_bytes > from_device  # (the fp32 masters, at least)
+    fills = coord.pending_snapshot_fills()
+    for fill in fills:
+        fill.start()
+    snapshot_fill.check_written(fills)  # (waits for them)
+    for mine, rp in zip(got, params(ref)):
+        for k, value in mine.items():
+            expected = ref.optimizer.get_unscaled_state(rp, k)
+            assert value.dtype == expected.dtype and torch.equal(value.view(torch.int32), expected.view(torch.int32)), k
+    del got, mine, value
+    for _ in range(2):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+        step += 1
+    assert "get_unscaled_state" not in opt.optimizer.__dict__
+    coord.close()
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))
