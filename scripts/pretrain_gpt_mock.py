@@ -325,10 +325,13 @@ def _save_parts():
                 parts["forms"] = _tensor_forms(state)
                 parts["census_s"] = parts.get("census_s", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
+            profiler = _save_profiler(key)
             try:
-                return fn(*a, **k)
+                return fn(*a, **k) if profiler is None else profiler.runcall(fn, *a, **k)
             finally:
                 parts[key] += time.perf_counter() - t
+                if profiler is not None:
+                    _write_save_profile(profiler, key)
         setattr(module, name, wrapper)
 
     timed(ckpt, "generate_state_dict", "state_dict_s")
@@ -339,6 +342,31 @@ def _save_parts():
     finally:
         for (module, name), fn in originals.items():
             setattr(module, name, fn)
+
+
+def _save_profiler(key):
+    """A profiler for one timed part of a save where BENCH_PROFILE_SAVE names a folder (the
+    profiler's own cost is in that save's seconds: time such runs apart)."""
+    if not os.environ.get("BENCH_PROFILE_SAVE"):
+        return None
+    import cProfile
+    return cProfile.Profile()
+
+
+def _write_save_profile(profiler, key):
+    """Appends the functions that took most of this part, cumulative and own time, to
+    BENCH_PROFILE_SAVE/<key>_rank<R>.txt."""
+    import io
+    import pstats
+    folder = os.environ["BENCH_PROFILE_SAVE"]
+    os.makedirs(folder, exist_ok=True)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
+    rank = os.environ.get("RANK", "0")
+    with open(os.path.join(folder, f"{key}_rank{rank}.txt"), "a") as f:
+        f.write(f"==== {key} at {time.time():.3f}\n{text.getvalue()}\n")
 
 
 def _gc_timer(phase, info):
