@@ -70,5 +70,8 @@ for entry in "${background[@]}"; do
   wait "${entry%%:*}" || status=1
   cat "$R/.${entry#*:}.tail" && rm -f "$R/.${entry#*:}.tail"
 done
-( cd "$R" && dirs=$(ls -d -- */ 2>/dev/null) && [ -n "$dirs" ] && tar czf results.tgz $dirs && rm -rf $dirs )
+# A second run of this script with the same OUT packs into results_2.tgz (and so on), not over the first's.
+pack=results.tgz n=2
+while [ -e "$R/$pack" ]; do pack=results_$n.tgz; n=$((n + 1)); done
+( cd "$R" && dirs=$(ls -d -- */ 2>/dev/null) && [ -n "$dirs" ] && tar czf "$pack" $dirs && rm -rf $dirs )
 exit $status  # (non-zero where any spec's suite failed)
