@@ -845,6 +845,22 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+def background_saving_coord(opt, device_fill=True, locks=None, **kw):
+    """A coordinator for asynchronous saves filled in the background, with `opt` added (chunks of
+    2048 bytes); `device_fill` with page locks faked by `locks` ([Note: device fill]: the CPU
+    stands in for the GPU). Returns it and the offloader."""
+    from test_offloader_cpu import make_coord
+    from test_save_snapshot_cpu import FakeLocks
+
+    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
+                       async_save_background_fill=True, **kw)
+    off = coord.add_optimizer(opt)
+    locks = locks or FakeLocks()
+    off.snapshots.device_fill = device_fill
+    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    return coord, off
+
+
 @pytest.mark.parametrize("device_fill", [False, True], ids=["host-fill", "device-fill"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
 def test_a_background_fill_is_read_only_once_complete(chunked, device_fill, monkeypatch):
@@ -859,23 +875,17 @@ def test_a_background_fill_is_read_only_once_complete(chunked, device_fill, monk
     still on the device where they are (COPYING_OUT, their tensors pointing at snapshots copied
     from there), and the next forward frees them."""
     from megatron.core.dist_checkpointing import ShardedTensor
-    from test_save_snapshot_cpu import FakeLocks
 
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
     from megatron_offload.megatron_state_methods import wrap_state_access
-    from test_offloader_cpu import CPU, make_coord, one_iteration
+    from test_offloader_cpu import CPU, one_iteration
 
     slow = snapshot_fill.fill_pieces
     # (long enough that nothing but a wait sees a fill done, even on a loaded machine)
     monkeypatch.setattr(snapshot_fill, "fill_pieces", lambda *a: (time.sleep(0.5), slow(*a)))
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
-    coord = make_coord(chunk_bytes=2048, chunked_step=chunked, async_saves=True, async_save_snapshots=True,
-                       async_save_background_fill=True)
-    off = coord.add_optimizer(opt)
-    locks = FakeLocks()
-    off.snapshots.device_fill = device_fill
-    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    coord, off = background_saving_coord(opt, device_fill, chunked_step=chunked)
     seen = {}
 
     def save(model_sd, is_loading=False, view=False, gather=False):
@@ -1118,18 +1128,12 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     stays bit-exact (the write made in both runs)."""
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
-    from test_offloader_cpu import CPU, make_coord, one_iteration
-    from test_save_snapshot_cpu import FakeLocks
+    from test_offloader_cpu import CPU, one_iteration
 
     # (torch Adam with every moment a master's: what a load writes into on the host)
     factory = (lambda: FakeDistOpt(fp32_numels=())) if then == "host_write" else MegatronShapedMany
     ref, opt = factory(), factory()
-    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
-                       async_save_background_fill=True)
-    off = coord.add_optimizer(opt)
-    locks = FakeLocks()
-    off.snapshots.device_fill = True
-    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    coord, off = background_saving_coord(opt)
     coord.offload_existing_state()
 
     def in_buffer(st, chunk):
@@ -1209,16 +1213,10 @@ def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments):
     on the host from the host copies the save's copy-out wrote); the writer reads TE's bits, and
     training after the save stays bit-exact."""
     from megatron_offload import snapshot_fill
-    from test_offloader_cpu import make_coord, one_iteration
-    from test_save_snapshot_cpu import FakeLocks
+    from test_offloader_cpu import one_iteration
 
     ref, opt = (MegatronShapedPrecisionAware(numels=MANY, moment_dtype=moments) for _ in range(2))
-    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
-                       async_save_background_fill=True)
-    off = coord.add_optimizer(opt)
-    locks = FakeLocks()
-    off.snapshots.device_fill = True
-    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    coord, off = background_saving_coord(opt)
     coord.offload_existing_state()
 
     def params(o):
