@@ -845,6 +845,18 @@ def test_an_async_save_reads_every_chunk_from_the_host(chunked, monkeypatch):
         assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+def steps_both(ref, opt, coord, step, count=2):
+    """`count` training steps of `ref` (no offloading) and `opt` (through `coord`) from `step`;
+    returns the next step."""
+    from test_offloader_cpu import one_iteration
+
+    for step in range(step, step + count):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    return step + 1
+
+
 def background_saving_coord(opt, device_fill=True, locks=None, **kw):
     """A coordinator for asynchronous saves filled in the background, with `opt` added (chunks of
     2048 bytes); `device_fill` with page locks faked by `locks` ([Note: device fill]: the CPU
@@ -1128,7 +1140,7 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     stays bit-exact (the write made in both runs)."""
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
-    from test_offloader_cpu import CPU, one_iteration
+    from test_offloader_cpu import CPU
 
     # (torch Adam with every moment a master's: what a load writes into on the host)
     factory = (lambda: FakeDistOpt(fp32_numels=())) if then == "host_write" else MegatronShapedMany
@@ -1139,12 +1151,7 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     def in_buffer(st, chunk):
         return st.tensor.untyped_storage().data_ptr() == chunk.buffer.untyped_storage().data_ptr()
 
-    step = 0
-    for _ in range(2):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
-        step += 1
+    step = steps_both(ref, opt, coord, 0)
     expected = {st.name: st.tensor.clone() for st in find_state_tensors(ref, CPU).tensors}
     with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
         handed = {st.name: st.tensor.view(-1) for c in off.chunks for st in c.tensors}
@@ -1196,11 +1203,7 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     snapshot_fill.check_written(fills)
     assert_bitwise_equal({k: v.clone() for k, v in handed.items()}, {k: v.view(-1) for k, v in expected.items()})
     if then != "close":
-        for _ in range(2):
-            make_grads(ref.all_params(), step)
-            ref.step()
-            one_iteration(opt, coord, step)
-            step += 1
+        step = steps_both(ref, opt, coord, step)
         coord.close()
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
@@ -1213,7 +1216,6 @@ def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments):
     on the host from the host copies the save's copy-out wrote); the writer reads TE's bits, and
     training after the save stays bit-exact."""
     from megatron_offload import snapshot_fill
-    from test_offloader_cpu import one_iteration
 
     ref, opt = (MegatronShapedPrecisionAware(numels=MANY, moment_dtype=moments) for _ in range(2))
     coord, off = background_saving_coord(opt)
@@ -1223,12 +1225,7 @@ def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments):
         return [p for g in o.optimizer.param_groups for p in g["params"]]
 
     keys = ("exp_avg", "exp_avg_sq", "master_param")
-    step = 0
-    for _ in range(2):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
-        step += 1
+    step = steps_both(ref, opt, coord, 0)
     from_device = off.snapshots.device_bytes
     with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
         assert all(c.state is ChunkState.COPYING_OUT for c in off.chunks)
@@ -1243,11 +1240,7 @@ def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments):
             expected = ref.optimizer.get_unscaled_state(rp, k)
             assert value.dtype == expected.dtype and torch.equal(value.view(torch.int32), expected.view(torch.int32)), k
     del got, mine, value
-    for _ in range(2):
-        make_grads(ref.all_params(), step)
-        ref.step()
-        one_iteration(opt, coord, step)
-        step += 1
+    step = steps_both(ref, opt, coord, step)
     assert "get_unscaled_state" not in opt.optimizer.__dict__
     coord.close()
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
