@@ -341,7 +341,8 @@ class HostCopies:
 
     def hide_host_copies(self) -> int:
         """Undo `expose_host_copies` for chunks still OFFLOADED (or still COPYING_OUT, exposed in
-        place): point their tensors back at the (freed) GPU buffer. Called once the reader is certainly done (the next forward), because
+        place): point their tensors back at the (freed) GPU buffer. Called once the reader is
+        certainly done (the next forward), because
         code outside the step treats the state as GPU tensors even while its storage is freed:
         `DistributedOptimizer.step` assigns each master its `.grad` (a CUDA tensor) before the
         inner step reloads it, which fails on a CPU view (the first step after a save, with a

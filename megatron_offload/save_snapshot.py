@@ -52,11 +52,13 @@ the GPU (the step before it wrote them: the usual case) where they are: their co
 second D2H copies them from there straight into the set the save takes (`copy_from_device`,
 `HostCopies.expose_host_copies`), their tensors point at those snapshots until the next forward,
 and that forward frees them as after any step, its wait covering both copies. The save then costs
-no host copy and no GPU memory, and waits for no copy itself: the wait moves to the next forward's
-frees, by when the copies have had the rest of the save to run. The second copy goes to the D2H
-stream in one piece, outside the copy feeder's in-flight bound. The fill thread waits for that
-stream and copies on the host only what the GPU no longer held (chunks the chunked step already
-freed) and TE's 16-bit states served as fp32, which need the host's conversion. A claim
+no host copy and no GPU memory, and frees nothing: the wait for the copies moves to the next
+forward's frees, by when they have had the rest of the save to run. But the second copy goes to the
+D2H stream in one piece, outside the copy feeder's in-flight bound, behind the copy-outs flushed
+here, and a small device read of the save's own (megatron-core's planning) waits behind all of
+them (copy_feeder.py). The fill thread waits for that stream and copies on the host only what the
+GPU no longer held (chunks the chunked step already freed) and TE's 16-bit states served as fp32,
+which need the host's conversion. A claim
 (`copy_from_device`) serves only the background `take` of the save that made it: every such save
 begins with `forget_claim`.
 """

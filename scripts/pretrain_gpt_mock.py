@@ -325,7 +325,7 @@ def _save_parts():
                 parts["forms"] = _tensor_forms(state)
                 parts["census_s"] = parts.get("census_s", 0.0) + time.perf_counter() - t
             t = time.perf_counter()
-            profiler = _save_profiler(key)
+            profiler = _save_profiler()
             try:
                 return fn(*a, **k) if profiler is None else profiler.runcall(fn, *a, **k)
             finally:
@@ -344,7 +344,7 @@ def _save_parts():
             setattr(module, name, fn)
 
 
-def _save_profiler(key):
+def _save_profiler():
     """A profiler for one timed part of a save where BENCH_PROFILE_SAVE names a folder (the
     profiler's own cost is in that save's seconds: time such runs apart)."""
     if not os.environ.get("BENCH_PROFILE_SAVE"):
