@@ -342,13 +342,12 @@ class HostCopies:
     def hide_host_copies(self) -> int:
         """Undo `expose_host_copies` for chunks still OFFLOADED (or still COPYING_OUT, exposed in
         place): point their tensors back at the (freed) GPU buffer. Called once the reader is
-        certainly done (the next forward), because
-        code outside the step treats the state as GPU tensors even while its storage is freed:
-        `DistributedOptimizer.step` assigns each master its `.grad` (a CUDA tensor) before the
-        inner step reloads it, which fails on a CPU view (the first step after a save, with a
-        chunked step whose budget leaves chunks off; see [Note: host views and .grad] in
-        docs/design.md). The optimizer's own scales come back too (`_scales_back`). Returns the
-        number of chunks hidden."""
+        certainly done (the next forward), because code outside the step treats the state as GPU
+        tensors even while its storage is freed: `DistributedOptimizer.step` assigns each master
+        its `.grad` (a CUDA tensor) before the inner step reloads it, which fails on a CPU view
+        (the first step after a save, with a chunked step whose budget leaves chunks off; see
+        [Note: host views and .grad] in docs/design.md). The optimizer's own scales come back too
+        (`_scales_back`). Returns the number of chunks hidden."""
         chunks = [c for c in self.chunks if c.on_host]
         for chunk in chunks:
             for st, view in zip(chunk.tensors, chunk.gpu_views):
