@@ -9,12 +9,14 @@ for the next forward (coordinator.optimizer_step_done). With the feeder it start
 is done (with the chunked step: when each piece is stepped), but only about `in_flight_bytes` of
 it are ever queued on the GPU (the thread tops the queue up while less is in flight, one piece of
 at most that size at a time): a read waits behind at most those. The thread keeps the copy engine
-busy while the main thread is blocked in such a read.
+busy while the main thread is blocked in such a read. An asynchronous save's copies from the GPU into
+its snapshot set are fed the same way (`submit_copies`; [Note: device fill] in save_snapshot.py):
+the save's own planning reads the device too.
 
 Invariants:
 * Pieces are enqueued on the D2H stream in submission order, each batch after a wait on the
   compute-stream event recorded when it was submitted (the step that wrote the state).
-* A chunk's `ready` event is recorded right after its last piece. Until then the chunk is
+* A chunk's `ready` event is recorded right after its last piece of any batch. Until then the chunk is
   `pending` and has no `ready`: whoever needs it (a free, a take-back, a phase switch, a re-pack)
   calls `flush` first, which enqueues every piece up to that chunk from the caller's thread.
 * A chunk's `ready` is set before it leaves `pending`, so a caller that reads `pending()` without
@@ -35,7 +37,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,6 +47,8 @@ FEED_PIECE_BYTES = 64 * 2**20
 # How long the thread sleeps between polls of the oldest piece in flight (the poll releases the
 # GIL, so the training loop's host thread is not held up by it).
 POLL_SECONDS = 50e-6
+# How often a caller waiting for the thread to enqueue a batch checks that the thread still runs.
+WAIT_POLL_SECONDS = 0.01
 
 
 logger = logging.getLogger(__name__)
@@ -64,18 +68,43 @@ def _close_live_feeders() -> None:
 
 
 class _Batch:
-    """Chunks submitted together (one offloader's stale chunks after a step or a piece)."""
+    """Copies submitted together: one offloader's stale chunks after a step or a piece
+    (`submit`), or copies of chunks' tensors into other host memory (`submit_copies`), as
+    pieces (chunk, dst, src) of at most `step` bytes."""
 
-    def __init__(self, offloader, chunks, after, max_piece: int):
+    def __init__(self, copies, after, step: int):
         self.after = after  # compute-stream event the first piece waits for (None on CPU)
-        self.pieces: Deque[Tuple[object, int, int]] = collections.deque()  # (chunk, start, stop)
-        step = min(offloader.copy_piece_bytes or FEED_PIECE_BYTES, FEED_PIECE_BYTES, max_piece)
-        for chunk in chunks:
-            for start in range(0, chunk.nbytes, step):
-                self.pieces.append((chunk, start, min(start + step, chunk.nbytes)))
+        self.pieces: Deque[Tuple[object, torch.Tensor, torch.Tensor]] = collections.deque()
+        self.nbytes = 0
+        for chunk, dst, src in copies:
+            # (views of the memory itself: a reshape of a non-contiguous tensor would copy)
+            assert dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel(), (dst.shape, src.shape)
+            dst, src = dst.view(-1), src.view(-1)
+            size = dst.element_size()
+            per = max(1, step // size)
+            for start in range(0, dst.numel(), per):
+                self.pieces.append((chunk, dst[start:start + per], src[start:start + per]))
+            self.nbytes += dst.numel() * size
         self.started = False
         self.timer = None
-        self.nbytes = sum(c.nbytes for c in chunks)
+        self.enqueued = threading.Event()  # set once its last piece is enqueued
+        self.last = None  # the event after its last piece (None on CPU)
+
+
+class FedCopies:
+    """What `submit_copies` returns: `synchronize` waits until the copies have run."""
+
+    def __init__(self, feeder, batch):
+        self._feeder = feeder
+        self._batch = batch
+
+    def synchronize(self, flush: bool = True) -> None:
+        """Block until every piece has run. `flush`: enqueue the pieces the thread has not yet,
+        from this thread, at once; else wait for the thread to enqueue them (at its bounded pace;
+        the caller enqueues them itself only if the thread is gone)."""
+        self._feeder._wait_enqueued(self._batch, flush)
+        if self._batch.last is not None:
+            self._batch.last.synchronize()
 
 
 class CopyOutFeeder:
@@ -88,7 +117,7 @@ class CopyOutFeeder:
         self.in_flight_bytes = int(in_flight_bytes)
         self._lock = threading.Condition()
         self._batches: Deque[_Batch] = collections.deque()
-        self._pending = set()  # id() of chunks with pieces not enqueued yet
+        self._pending: Dict[int, int] = {}  # id() of chunks -> their pieces not enqueued yet
         self._in_flight: Deque[Tuple[Optional[torch.cuda.Event], int]] = collections.deque()
         self._in_flight_bytes = 0  # sum over `_in_flight`
         self._thread: Optional[threading.Thread] = None
@@ -105,10 +134,28 @@ class CopyOutFeeder:
         chunks = [c for c in chunks if c.nbytes]
         if not chunks:
             return
-        batch = _Batch(offloader, chunks, self.streams.record(self.streams.compute), self.in_flight_bytes)
+        step = min(offloader.copy_piece_bytes or FEED_PIECE_BYTES, FEED_PIECE_BYTES, self.in_flight_bytes)
+        self._add(_Batch([(c, c.host, c.packed) for c in chunks], self.streams.record(self.streams.compute), step))
+
+    def submit_copies(self, copies: List) -> FedCopies:
+        """Feed `copies`, (chunk, dst, src) with `src` a view of the chunk's device buffer and
+        `dst` host memory of its size, like copy-outs: after the compute stream's work enqueued so
+        far and after every copy submitted before, in pieces, about `in_flight_bytes` queued. A
+        chunk stays `pending` (and its `ready` unset) until its last piece of any batch is
+        enqueued, so that whoever frees it waits for these copies too."""
+        step = min(FEED_PIECE_BYTES, self.in_flight_bytes)
+        batch = _Batch([c for c in copies if c[1].numel()], self.streams.record(self.streams.compute), step)
+        if not batch.pieces:
+            batch.enqueued.set()
+            return FedCopies(self, batch)
+        self._add(batch)
+        return FedCopies(self, batch)
+
+    def _add(self, batch: _Batch) -> None:
         with self._lock:
             self._batches.append(batch)
-            self._pending.update(id(c) for c in chunks)
+            for chunk, _, _ in batch.pieces:
+                self._pending[id(chunk)] = self._pending.get(id(chunk), 0) + 1
             if self._closed or self.error is not None:
                 # No thread (closed: a checkpoint access once detached; or it failed): all now.
                 self._enqueue_all()
@@ -137,8 +184,8 @@ class CopyOutFeeder:
         """Enqueue now, from this thread, every piece up to the last of `chunks` (all if None)
         that the thread has not enqueued yet; their `ready` events exist afterwards."""
         with self._lock:
-            wanted = set(self._pending) if chunks is None else {id(c) for c in chunks} & self._pending
-            while wanted & self._pending:
+            wanted = set(self._pending) if chunks is None else {id(c) for c in chunks} & self._pending.keys()
+            while wanted & self._pending.keys():
                 self._enqueue_next_piece()
                 self.flushed_pieces += 1
 
@@ -175,7 +222,7 @@ class CopyOutFeeder:
         """Enqueue the first piece not enqueued yet. It leaves the queue only once everything
         below has succeeded: if anything raises, the next caller enqueues it again."""
         batch = self._batches[0]
-        chunk, start, stop = batch.pieces[0]
+        chunk, dst, src = batch.pieces[0]
         s = self.streams
         with s.on_d2h() as stream:
             if not batch.started:
@@ -186,7 +233,7 @@ class CopyOutFeeder:
                 s.delay(stream)  # (tests: copy-stream delays)
                 batch.timer = s.stats.start_copy(stream, "d2h")
                 batch.started = True
-            chunk.host[start:stop].copy_(chunk.packed[start:stop], non_blocking=True)
+            dst.copy_(src, non_blocking=True)
             event = s.record(stream)
             last_of_batch = len(batch.pieces) == 1
             if last_of_batch:
@@ -194,15 +241,33 @@ class CopyOutFeeder:
         # Bookkeeping (cannot fail): the piece is enqueued.
         batch.pieces.popleft()
         self.enqueued_pieces += 1
-        if not batch.pieces or batch.pieces[0][0] is not chunk:
+        left = self._pending[id(chunk)] - 1
+        if left:
+            self._pending[id(chunk)] = left
+        else:
             chunk.ready = event
-            self._pending.discard(id(chunk))
+            del self._pending[id(chunk)]
         if last_of_batch:
             self._batches.popleft()
+            batch.last = event
+            batch.enqueued.set()
+        nbytes = dst.numel() * dst.element_size()
         if self._thread is not None and self.error is None and event is not None:
             # Only the thread reads this window (`_queued_bytes`); without it nothing drains it.
-            self._in_flight.append((event, stop - start))
-            self._in_flight_bytes += stop - start
+            self._in_flight.append((event, nbytes))
+            self._in_flight_bytes += nbytes
+
+    def _wait_enqueued(self, batch: _Batch, flush: bool) -> None:
+        """Until `batch`'s last piece is enqueued: enqueued from here at once (`flush`, or no
+        thread to do it), else left to the thread."""
+        while not batch.enqueued.is_set():
+            with self._lock:
+                if flush or self._thread is None or self.error is not None:
+                    while not batch.enqueued.is_set():
+                        self._enqueue_next_piece()
+                        self.flushed_pieces += 1
+                    return
+            batch.enqueued.wait(WAIT_POLL_SECONDS)
 
     def _queued_bytes(self) -> int:
         """Bytes enqueued and not finished, dropping finished pieces from the front."""

@@ -114,23 +114,33 @@ class HostCopies:
         if not chunks:
             return 0
         background = for_async_writer and references_only and self.snapshots.background
+        device_copies = None
         if in_place:
             self.snapshots.forget_claim()  # (a claim of an earlier save that failed before its take)
-            self.flush_copy_out(chunks)  # (the fill may read host copies: their D2H enqueued before the event below)
-            self._snapshot_from_device([c for c in chunks if c.state is ChunkState.COPYING_OUT], chunks)
+            device_copies = self._snapshot_from_device([c for c in chunks if c.state is ChunkState.COPYING_OUT], chunks)
         copied_out = None
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda or device_copies is not None:
             # Why: the host is about to read the copies itself. The compute stream waited for
             # them before the chunks were freed; the host never did. (A background fill waits
-            # in its own thread, for everything enqueued on the D2H stream until now.)
+            # in its own thread, for everything enqueued on the D2H stream until now, and for
+            # the copies into its snapshots that the feeder enqueues later.)
             if background:
-                event, device = self.streams.d2h.record_event(), self.device
+                event, device = (self.streams.d2h.record_event(), self.device) if cuda else (None, None)
 
                 def copied_out():  # (in the fill's thread: on this rank's device, not device 0)
-                    torch.cuda.set_device(device)
-                    event.synchronize()
+                    if event is not None:
+                        torch.cuda.set_device(device)
+                        event.synchronize()
+                    if device_copies is not None:
+                        # (at the feeder's pace: flushing them would queue them all before the
+                        # small reads of the save, which would wait behind them; copy_feeder.py)
+                        device_copies.synchronize(flush=False)
             else:
-                self.streams.d2h.synchronize()
+                if cuda:
+                    self.streams.d2h.synchronize()
+                if device_copies is not None:
+                    device_copies.synchronize()
         for chunk in chunks:
             # The scales first: their device copy may fail, before anything points at the host.
             self._scales_to_host(chunk)
@@ -283,33 +293,50 @@ class HostCopies:
         self.settle_unmodified()  # COPYING_IN / RESIDENT -> COPYING_OUT, D2H where stale
         self.free(self.chunks_in(ChunkState.COPYING_OUT))
 
-    def _snapshot_from_device(self, on_gpu, listed) -> None:
+    def _snapshot_from_device(self, on_gpu, listed):
         """Enqueue the copies of `on_gpu`'s tensors (COPYING_OUT: their GPU buffers hold the
         values, and the compute stream is ordered after anything still writing them) into the
         snapshot set that `_point_at_snapshots(listed)` takes next, on the D2H stream after the
         chunks' own copy-outs; the chunks' `ready` then covers both, so that whoever frees them
         holds the compute stream until the GPU buffers have been read ([Note: device fill] in
-        save_snapshot.py)."""
+        save_snapshot.py). With the copy feeder they are fed like copy-outs, in the order the
+        chunks are freed, and what waits for them is returned (else None: the D2H stream's event
+        covers them). The copy-outs of the chunks whose host copies the fill reads (not on the GPU,
+        or TE's 16-bit states served as fp32) are enqueued now, before the caller's event."""
         inner = getattr(self.dist_opt, "optimizer", None)
         ids = {id(c) for c in on_gpu}
         large = [(c, st) for c in listed for st in c.tensors if self.snapshots.selects(st.tensor)]
         unscaled = [_as_fp32(inner, st) is not None for _, st in large]
         sources = [st.tensor.data if id(c) in ids and not u else None for (c, st), u in zip(large, unscaled)]
+        host_read = {id(c) for (c, _), src in zip(large, sources) if src is None}
+        self.flush_copy_out([c for c in listed if id(c) in host_read])
         if not any(src is not None for src in sources):
-            return
+            return None
+        likes = [st.tensor for _, st in large]
+        if self.feeder is not None:
+            fed = []
+
+            def enqueue(copies):
+                copies = sorted(copies, key=lambda copy: -large[copy[0]][0].address)  # (the free order)
+                fed.append(self.feeder.submit_copies([(large[i][0], dst, src) for i, dst, src in copies]))
+                return fed[0]
+
+            self.snapshots.copy_from_device(likes, unscaled, sources, enqueue)
+            return fed[0] if fed else None
         s = self.streams
         with s.on_d2h() as stream:
             # Why: the copies read what the step (or an H2D the compute stream waited for) wrote.
             s.d2h_wait_for_compute()
             s.delay(stream)  # (tests: copy-stream delays)
             timer = s.stats.start_copy(stream, "d2h")
-            nbytes = self.snapshots.copy_from_device([st.tensor for _, st in large], unscaled, sources)
+            nbytes = self.snapshots.copy_from_device(likes, unscaled, sources)
             if not nbytes:
-                return
+                return None
             ready = s.record(stream)
             s.stats.end_copy(timer, stream, nbytes)
         for chunk in on_gpu:
             chunk.ready = ready  # (one D2H stream: the later event covers the chunk's own copy-out)
+        return None
 
     def accept_host_writes(self) -> None:
         """A writer has run on the exposed host copies (`host_writes_supported`): what it wrote

@@ -53,12 +53,13 @@ second D2H copies them from there straight into the set the save takes (`copy_fr
 `HostCopies.expose_host_copies`), their tensors point at those snapshots until the next forward,
 and that forward frees them as after any step, its wait covering both copies. The save then costs
 no host copy and no GPU memory, and frees nothing: the wait for the copies moves to the next
-forward's frees, by when they have had the rest of the save to run. But the second copy goes to the
-D2H stream in one piece, outside the copy feeder's in-flight bound, behind the copy-outs flushed
-here, and a small device read of the save's own (megatron-core's planning) waits behind all of
-them (copy_feeder.py). The fill thread waits for that stream and copies on the host only what the
-GPU no longer held (chunks the chunked step already freed) and TE's 16-bit states served as fp32,
-which need the host's conversion. A claim
+forward's frees, by when they have had the rest of the save to run. With the copy feeder (the streamed
+step's default) the second copy is fed like the copy-outs, behind them and in the order the chunks
+are freed, about the in-flight bound queued: the save's own small device reads (megatron-core's
+planning) would otherwise wait behind every copy at once (copy_feeder.py). Without it the copy goes
+to the D2H stream at once, and those reads wait behind it. The fill thread waits for those copies (at the feeder's pace) and copies
+on the host only what the GPU no longer held (chunks the chunked step already freed) and TE's 16-bit
+states served as fp32, which need the host's conversion (their copy-outs are enqueued at the save). A claim
 (`copy_from_device`) serves only the background `take` of the save that made it: every such save
 begins with `forget_claim`.
 """
@@ -245,8 +246,9 @@ class SaveSnapshots:
         as_fp32 = as_fp32 or [None] * len(sources)
         layout = _layout(sources, [f is not None for f in as_fp32])
         claimed, self._claimed = self._claimed, None
-        # (only a background take follows the claim of its own save: `forget_claim` comes first)
-        if background and claimed is not None and claimed[0].fits(layout) and not claimed[0].in_use():
+        # (only a background take follows the claim of its own save: `forget_claim` comes first;
+        # the set was free when claimed, and the copies into it may still hold views of it)
+        if background and claimed is not None and claimed[0].fits(layout):
             chosen, from_device = claimed
         else:
             chosen, from_device = self._choose(layout, len(sources)), frozenset()
@@ -269,13 +271,15 @@ class SaveSnapshots:
         self._claimed = None
 
     def copy_from_device(self, likes: List[torch.Tensor], unscaled: List[bool],
-                         device_sources: List[Optional[torch.Tensor]]) -> int:
-        """Enqueue on the current stream, for every source in `device_sources` that is not None
-        (a device tensor holding the values the same save's background `take` will be given for
-        that position), its copy into the set that take then hands out ([Note: device fill]);
-        `likes` and `unscaled` give that take's layout. Returns the bytes enqueued (0: nothing was, and
-        `take` fills everything itself). The copies must have finished before the set is read:
-        `take`'s `before` waits for the stream they run on."""
+                         device_sources: List[Optional[torch.Tensor]],
+                         enqueue: Optional[Callable[[list], object]] = None) -> int:
+        """Enqueue, for every source in `device_sources` that is not None (a device tensor holding
+        the values the same save's background `take` will be given for that position), its copy
+        into the set that take then hands out ([Note: device fill]); `likes` and `unscaled` give
+        that take's layout. `enqueue` is given the copies, (position, destination, source), and
+        returns what waits for them (`synchronize()`); by default they go to the current stream.
+        Returns the bytes enqueued (0: nothing was, and `take` fills everything itself). The
+        copies must have finished before the set is read: `take`'s `before` waits for them."""
         self._claimed = None
         if not self.device_fill or not any(src is not None for src in device_sources):
             return 0
@@ -283,16 +287,19 @@ class SaveSnapshots:
         chosen = self._choose(layout, len(likes))
         if chosen is None or not chosen.pinned:
             return 0
-        done = []
-        for i, (dst, src, u) in enumerate(zip(chosen.tensors, device_sources, unscaled)):
-            if src is not None and not u:
+        copies = [(i, dst, src) for i, (dst, src, u) in enumerate(zip(chosen.tensors, device_sources, unscaled))
+                  if src is not None and not u]
+        if enqueue is not None:
+            # (the set is not dropped while its copies wait: the save's tensors point at it)
+            chosen.last_device_copy[0] = enqueue(copies)
+        else:
+            for _, dst, src in copies:
                 dst.copy_(src.view(dst.shape), non_blocking=True)
-                done.append(i)
-        if any(device_sources[i].is_cuda for i in done):
-            chosen.last_device_copy[0] = torch.cuda.Event()
-            chosen.last_device_copy[0].record()
-        self._claimed = (chosen, frozenset(done))
-        return _bytes([chosen.tensors[i] for i in done])
+            if any(src.is_cuda for _, _, src in copies):
+                chosen.last_device_copy[0] = torch.cuda.Event()
+                chosen.last_device_copy[0].record()
+        self._claimed = (chosen, frozenset(i for i, _, _ in copies))
+        return _bytes([dst for _, dst, _ in copies])
 
     def _choose(self, layout: list, count: int) -> Optional[SnapshotSet]:
         """A free set of `layout`, made if none is free and fewer than MAX_SETS exist; None (warned)

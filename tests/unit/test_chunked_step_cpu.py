@@ -1128,8 +1128,9 @@ def test_an_async_save_with_nothing_offloaded_leaves_the_phase_alone():
     coord.close()
 
 
+@pytest.mark.parametrize("fed", [0, 1024], ids=["", "feeder"])
 @pytest.mark.parametrize("then", ["gpu_read", "gpu_write", "host_write", "second_save", "hide", "restore_all", "close"])
-def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
+def test_what_comes_between_an_in_place_save_and_the_next_forward(then, fed):
     """[Note: device fill] (the CPU stands in for the GPU, page locks faked): a save leaves the
     chunks on the device, their tensors pointing at snapshots, until the next forward. Whatever
     comes before that forward sees a consistent state: a reader or writer that takes the state
@@ -1137,7 +1138,8 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     writer still reads), and a load that writes into the host copies gets those; a second save reads the first one's snapshots; the forward's hiding
     (before it frees anything), an RL phase switch's `restore_all` and `close` bring the tensors
     back. The writer reads the state as it was at the save, and training after it
-    stays bit-exact (the write made in both runs)."""
+    stays bit-exact (the write made in both runs). `fed`: the copy-outs and the copies into the
+    set go through the copy feeder (copy_feeder.py), whose thread may not have enqueued them yet."""
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
     from test_offloader_cpu import CPU
@@ -1145,7 +1147,7 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     # (torch Adam with every moment a master's: what a load writes into on the host)
     factory = (lambda: FakeDistOpt(fp32_numels=())) if then == "host_write" else MegatronShapedMany
     ref, opt = factory(), factory()
-    coord, off = background_saving_coord(opt)
+    coord, off = background_saving_coord(opt, copy_out_in_flight_bytes=fed)
     coord.offload_existing_state()
 
     def in_buffer(st, chunk):
@@ -1208,17 +1210,21 @@ def test_what_comes_between_an_in_place_save_and_the_next_forward(then):
     assert_bitwise_equal(snapshot(ref), snapshot(opt))
 
 
+@pytest.mark.parametrize("fed", [False, True], ids=["", "feeder"])
 @pytest.mark.parametrize("moments", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments):
+def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments, fed):
     """[Note: device fill] with TE's 16-bit states (the CPU stands in for the GPU, page locks
     faked): the chunks stay on the device through the save; the fp32 masters are copied into
     the set from there, the 16-bit moments are served as the fp32 values TE computes (converted
     on the host from the host copies the save's copy-out wrote); the writer reads TE's bits, and
-    training after the save stays bit-exact."""
+    training after the save stays bit-exact. `fed` (the copy feeder, its thread held through the
+    save): the save enqueues the copy-outs the host's conversion reads, and leaves the copies
+    into the set to the feeder."""
     from megatron_offload import snapshot_fill
+    from test_copy_feeder_cpu import gated_feeder
 
     ref, opt = (MegatronShapedPrecisionAware(numels=MANY, moment_dtype=moments) for _ in range(2))
-    coord, off = background_saving_coord(opt)
+    coord, off = background_saving_coord(opt, copy_out_in_flight_bytes=1024 if fed else 0)
     coord.offload_existing_state()
 
     def params(o):
@@ -1226,10 +1232,28 @@ def test_an_in_place_save_serves_te_16_bit_states_unscaled(moments):
 
     keys = ("exp_avg", "exp_avg_sq", "master_param")
     step = steps_both(ref, opt, coord, 0)
+    release = None
+    if fed:  # (a gated feeder from the step before the save on)
+        coord.feeder.close()
+        coord.feeder, release = gated_feeder(1024)
+        off.feeder = coord.feeder
+        step = steps_both(ref, opt, coord, step, 1)
     from_device = off.snapshots.device_bytes
-    with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
-        assert all(c.state is ChunkState.COPYING_OUT for c in off.chunks)
-        got = [{k: opt.optimizer.get_unscaled_state(p, k) for k in keys} for p in params(opt)]
+    try:
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
+            assert all(c.state is ChunkState.COPYING_OUT for c in off.chunks)
+            got = [{k: opt.optimizer.get_unscaled_state(p, k) for k in keys} for p in params(opt)]
+        if fed:
+            # The chunks holding a 16-bit moment, whose conversion reads their host copies: their
+            # copy-outs enqueued; the copies into the set (the masters) still wait for the thread.
+            converted = [c for c in off.chunks if any(st.tensor.dtype == moments for st in c.tensors)]
+            assert converted and all(torch.equal(c.host, c.packed) for c in converted)  # (run: on the CPU)
+            left = [dst for batch in coord.feeder._batches for _, dst, _ in batch.pieces]
+            assert any(not any(c.host.data_ptr() <= d.data_ptr() < c.host.data_ptr() + c.nbytes for c in off.chunks)
+                       for d in left)
+    finally:
+        if release is not None:
+            release()
     assert off.snapshots.device_bytes > from_device  # (the fp32 masters, at least)
     fills = coord.pending_snapshot_fills()
     for fill in fills:

@@ -147,8 +147,8 @@ def test_the_thread_copies_everything_without_any_flush_and_pieces_respect_the_b
     from megatron_offload.copy_feeder import _Batch
 
     chunks = [Chunk(2500, k + 1) for k in range(2)]
-    pieces = _Batch(Offloader(), chunks, None, max_piece=700).pieces
-    assert max(stop - start for _, start, stop in pieces) == 700  # (not the 1000 the offloader asks for)
+    pieces = _Batch([(c, c.host, c.packed) for c in chunks], None, 700).pieces
+    assert [dst.numel() for _, dst, _ in pieces] == [700, 700, 700, 400] * 2
     feeder = CopyOutFeeder(CopyStreams(torch.device("cpu")), in_flight_bytes=700)
     feeder.submit(Offloader(), chunks)
     deadline = time.time() + 10
@@ -163,20 +163,16 @@ def test_a_failing_copy_in_the_thread_loses_no_piece_and_the_callers_take_over(c
     feeder, release = gated_feeder()
     chunk, later = Chunk(2500, 7), Chunk(1500, 9)
     original = chunk.host
-
-    class FailOnce:
-        """The host copy's first slice assignment raises, as a failing copy would."""
-        failed = False
-
-        def __getitem__(self, index):
-            if not FailOnce.failed:
-                FailOnce.failed = True
-                raise RuntimeError("injected copy failure")
-            return original[index]
-
-    chunk.host = FailOnce()
     try:
         feeder.submit(Offloader(), [chunk])
+        record = feeder.streams.record
+
+        def fail_once(stream):
+            """The first piece's event fails, after its copy, as a failing enqueue would."""
+            feeder.streams.record = record
+            raise RuntimeError("injected copy failure")
+
+        feeder.streams.record = fail_once
     finally:
         release()
     deadline = time.time() + 10
@@ -323,3 +319,104 @@ def test_the_waits_so_far_count_what_completed_and_leave_the_harvest_whole():
     second = stats.harvest()
     assert (second.exposed_d2h_ms, second.exposed_h2d_ms) == (2.0, 2.0)
     assert (stats.harvested.exposed_d2h_ms, stats.harvested.exposed_h2d_ms) == stats.exposed_so_far() == (5.0, 7.0)
+
+
+def test_submitted_copies_follow_earlier_batches_and_keep_their_chunks_pending():
+    """`submit_copies` (a save's copies into its snapshot set): fed after what was submitted
+    before, in pieces; a chunk stays pending, its `ready` unset, until its last piece of any
+    batch is enqueued; `synchronize(flush=False)` waits for the thread, `synchronize()` enqueues
+    from the caller."""
+    feeder, release = gated_feeder(1000)
+    try:
+        chunks = [Chunk(2500, k + 1) for k in range(2)]
+        snaps = [torch.zeros(2500, dtype=torch.uint8) for _ in chunks]
+        feeder.submit(Offloader(), chunks)
+        fed = feeder.submit_copies([(c, snap, c.packed) for c, snap in zip(chunks, snaps)])
+        feeder.flush([chunks[0]])  # its copy-out and its copy into the set, and chunk 1's copy-out before it
+        assert feeder.flushed_pieces == 3 + 3 + 3 and not feeder.pending(chunks[0]) and feeder.pending(chunks[1])
+        assert torch.equal(snaps[0], chunks[0].packed) and not snaps[1].any()
+        waited = threading.Thread(target=fed.synchronize, kwargs={"flush": False})
+        waited.start()
+        waited.join(0.2)
+        assert waited.is_alive() and not snaps[1].any()  # (the thread is held: nothing more ran)
+    finally:
+        release()
+    waited.join(10)
+    assert not waited.is_alive() and torch.equal(snaps[1], chunks[1].packed) and not feeder.pending(chunks[1])
+    assert feeder.flushed_pieces == 9  # (the rest came from the thread)
+    more = feeder.submit_copies([(chunks[0], snaps[0], torch.full((2500,), 5, dtype=torch.uint8))])
+    more.synchronize()
+    assert (snaps[0] == 5).all()
+    feeder.close()
+
+
+def test_a_waiter_for_submitted_copies_enqueues_them_itself_once_the_thread_failed():
+    feeder, release = gated_feeder()
+    chunk = Chunk(2500, 3)
+    snap = torch.zeros(2500, dtype=torch.uint8)
+    try:
+        fed = feeder.submit_copies([(chunk, snap, chunk.packed)])
+        record = feeder.streams.record
+
+        def fail_once(stream):
+            feeder.streams.record = record
+            raise RuntimeError("injected copy failure")
+
+        feeder.streams.record = fail_once
+    finally:
+        release()
+    fed.synchronize(flush=False)  # (would wait forever for a thread that is gone)
+    assert feeder.error is not None and torch.equal(snap, chunk.packed) and not feeder.pending(chunk)
+    feeder.close()
+
+
+def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder():
+    """[Note: device fill] with the feeder (the CPU stands in for the GPU, page locks faked): the
+    save enqueues none of its copies into the snapshot set itself (a flush would queue them all
+    before the save's own small reads of the device, which would wait behind them); the writer's
+    fill waits for the feeder to run them, and the writer gets the state as it was at the save."""
+    from megatron_offload import snapshot_fill
+    from megatron_offload.discovery import find_state_tensors
+    from test_chunked_step_cpu import MegatronShapedMany
+    from test_offloader_cpu import CPU
+    from test_save_snapshot_cpu import FakeLocks
+
+    ref, opt = MegatronShapedMany(), MegatronShapedMany()
+    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
+                       async_save_background_fill=True, copy_out_in_flight_bytes=1024)
+    off = coord.add_optimizer(opt)
+    locks = FakeLocks()
+    off.snapshots.device_fill = True
+    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    coord.offload_existing_state()
+    for step in range(2):
+        make_grads(ref.all_params(), step)
+        ref.step()
+        one_iteration(opt, coord, step)
+    coord.feeder.close()
+    coord.feeder, release = gated_feeder(1024)
+    off.feeder = coord.feeder
+    make_grads(ref.all_params(), 2)
+    ref.step()
+    one_iteration(opt, coord, 2)
+    expected = {st.name: st.tensor.clone().view(-1) for st in find_state_tensors(ref, CPU).tensors}
+    try:
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
+            handed = {st.name: st.tensor.view(-1) for c in off.chunks for st in c.tensors}
+        assert coord.feeder.flushed_pieces == 0 and all(coord.feeder.pending(c) for c in off.chunks)
+        assert off.snapshots.device_bytes == sum(v.nbytes for v in handed.values())
+        fills = coord.pending_snapshot_fills()
+        assert fills
+        for fill in fills:
+            fill.start()
+        time.sleep(0.2)
+        assert not any(fill.done for fill in fills)  # (waiting for the held thread)
+    finally:
+        release()
+    snapshot_fill.check_written(fills)
+    assert_bitwise_equal({k: v.clone() for k, v in handed.items()}, expected)
+    make_grads(ref.all_params(), 3)
+    ref.step()
+    one_iteration(opt, coord, 3)
+    coord.close()
+    assert_bitwise_equal(snapshot(ref), snapshot(opt))

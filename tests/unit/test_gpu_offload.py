@@ -486,7 +486,8 @@ def named_state(optimizer):
 
 
 @DELAYS
-@pytest.mark.parametrize("background", [False, True, "host"], ids=["filled", "background", "background-host-fill"])
+@pytest.mark.parametrize("background", [False, True, "host", "fed"],
+                         ids=["filled", "background", "background-host-fill", "background-fed"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
 def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, background, delay_cycles,
                                                                        monkeypatch):
@@ -505,10 +506,12 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     filled from the GPU where the chunks still are, which stay there until the next forward
     frees them ([Note: device fill]), and after the first such save a GPU writer runs before
     the next forward; `host` sends everything out and fills the sets on the host from the
-    pinned buffer instead (save_snapshot.DEVICE_FILL off)."""
+    pinned buffer instead (save_snapshot.DEVICE_FILL off); `fed`: as `background`, with the copy
+    feeder (copy_feeder.py), which feeds the copies into the sets like the copy-outs."""
     from megatron_offload import save_snapshot
 
-    monkeypatch.setattr(save_snapshot, "DEVICE_FILL", background is True)
+    device_fill = background in (True, "fed")
+    monkeypatch.setattr(save_snapshot, "DEVICE_FILL", device_fill)
     ref_losses, _, ref_digest = reference()
     ref_model, ref_opt = build()
     saved_ref, state_ref = {}, {}
@@ -520,13 +523,14 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
     torch.cuda.empty_cache()
     model, optimizer = build()
     coord = attach(model, optimizer, delay_cycles=delay_cycles, chunked_step=chunked, chunk_bytes=8 * 2**20,
-                   async_saves=True, async_save_snapshots=True, async_save_background_fill=bool(background))
+                   async_saves=True, async_save_snapshots=True, async_save_background_fill=bool(background),
+                   **(dict(copy_out_in_flight_bytes=2**20) if background == "fed" else {}))
     seen, kept, fills = {}, {}, {}
 
     def save(step):
         if step not in (2, 3):
             return
-        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=background):
+        with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=bool(background)):
             named = [((i, st.name), st.tensor) for i, off in enumerate(coord.offloaders)
                      for c in off.chunks for st in c.tensors]
             tensors = [t for _, t in named]
@@ -544,7 +548,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
                 seen[step].update(digest=digest(model, optimizer), state=tensors_digest(tensors))
             # The writer's request: the tensors themselves (snapshots), copies of the views.
             kept[step] = [t.detach() if w else t.clone() for t, w in zip(tensors, whole)]
-        if background is True and step == 2:
+        if device_fill and step == 2:
             # A writer on the GPU before the next forward (the state comes back from where the
             # save left it): it must run after the copies into the set, which still read the
             # chunk buffers. Doubled and halved (exact): a write the snapshot copy saw would show.
@@ -563,7 +567,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
         # A device fill leaves the chunks on the GPU until the next forward (every one after the
         # whole step, those its budget kept after the chunked step); the save reads none there.
         assert seen[step]["cpu"] and seen[step]["every_one"], seen
-        if background is not True:
+        if not device_fill:
             assert seen[step]["resident"] == 0, seen
         elif not chunked:
             assert seen[step]["resident"] == sum(c.gpu_nbytes for off in coord.offloaders for c in off.chunks), seen
@@ -573,7 +577,7 @@ def test_an_async_save_reads_only_host_copies_and_training_stays_exact(chunked, 
         # was copied out and freed piece by piece: filled on the host). The two saves took a set each.
         one_set = coord.snapshot_bytes // 2
         this_save = seen[step]["from_device"] - (seen[2]["from_device"] if step == 3 else 0)
-        if background is not True:
+        if not device_fill:
             assert this_save == 0, seen
         elif chunked:
             assert 0 < this_save < one_set, seen
