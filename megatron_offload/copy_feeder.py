@@ -103,7 +103,7 @@ class FedCopies:
         from this thread, at once; else wait for the thread to enqueue them (at its bounded pace;
         the caller enqueues them itself only if the thread is gone)."""
         self._feeder._wait_enqueued(self._batch, flush)
-        if self._batch.last is not None:
+        if self._batch.enqueued.is_set() and self._batch.last is not None:
             self._batch.last.synchronize()
 
 
@@ -259,7 +259,11 @@ class CopyOutFeeder:
 
     def _wait_enqueued(self, batch: _Batch, flush: bool) -> None:
         """Until `batch`'s last piece is enqueued: enqueued from here at once (`flush`, or no
-        thread to do it), else left to the thread."""
+        thread to do it), else left to the thread. On the thread itself (a finalizer that a
+        garbage collection ran there, perhaps inside `_enqueue_next_piece`) nothing is enqueued
+        and nothing waited for: the pieces left go on as they are, into memory they keep alive."""
+        if threading.current_thread() is self._thread:
+            return
         while not batch.enqueued.is_set():
             with self._lock:
                 if flush or self._thread is None or self.error is not None:

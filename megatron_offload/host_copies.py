@@ -302,7 +302,8 @@ class HostCopies:
         save_snapshot.py). With the copy feeder they are fed like copy-outs, in the order the
         chunks are freed, and what waits for them is returned (else None: the D2H stream's event
         covers them). The copy-outs of the chunks whose host copies the fill reads (not on the GPU,
-        or TE's 16-bit states served as fp32) are enqueued now, before the caller's event."""
+        TE's 16-bit states served as fp32, or every chunk where no copy was enqueued) are
+        enqueued now, before the caller's event."""
         inner = getattr(self.dist_opt, "optimizer", None)
         ids = {id(c) for c in on_gpu}
         large = [(c, st) for c in listed for st in c.tensors if self.snapshots.selects(st.tensor)]
@@ -322,7 +323,12 @@ class HostCopies:
                 return fed[0]
 
             self.snapshots.copy_from_device(likes, unscaled, sources, enqueue)
-            return fed[0] if fed else None
+            if fed:
+                return fed[0]
+            # Nothing copied from the device (no set, or one not page-locked): the writer reads
+            # every chunk's host copy, whose copy-out must come before the caller's event.
+            self.flush_copy_out(listed)
+            return None
         s = self.streams
         with s.on_d2h() as stream:
             # Why: the copies read what the step (or an H2D the compute stream waited for) wrote.

@@ -365,16 +365,46 @@ def test_a_waiter_for_submitted_copies_enqueues_them_itself_once_the_thread_fail
         feeder.streams.record = fail_once
     finally:
         release()
-    fed.synchronize(flush=False)  # (would wait forever for a thread that is gone)
+    waiter = threading.Thread(target=fed.synchronize, kwargs={"flush": False})
+    waiter.start()
+    waiter.join(10)  # (a waiter that waited for a thread that is gone would still be waiting)
+    assert not waiter.is_alive()
     assert feeder.error is not None and torch.equal(snap, chunk.packed) and not feeder.pending(chunk)
     feeder.close()
 
 
-def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder():
+def test_a_wait_for_submitted_copies_on_the_feeders_own_thread_enqueues_nothing():
+    """A snapshot set's finalizer waits for the copies into it (`FedCopies.synchronize`); a
+    garbage collection can run it on the feeder's thread, even inside `_enqueue_next_piece`,
+    where enqueuing again would pop a piece twice: there it returns at once."""
+    feeder, release = gated_feeder()
+    chunk = Chunk(2500, 4)
+    snap = torch.zeros(2500, dtype=torch.uint8)
+    try:
+        fed = feeder.submit_copies([(chunk, snap, chunk.packed)])
+        thread = feeder._thread
+        feeder._thread = threading.current_thread()  # (this test stands in for the feeder's thread)
+        try:
+            fed.synchronize()
+        finally:
+            feeder._thread = thread
+        assert feeder.pending(chunk) and feeder.enqueued_pieces == 0 and not snap.any()
+    finally:
+        release()
+    fed.synchronize()
+    assert torch.equal(snap, chunk.packed)
+    feeder.close()
+
+
+@pytest.mark.parametrize("sets", ["pinned", "unpinned", "none"])
+def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder(sets, monkeypatch):
     """[Note: device fill] with the feeder (the CPU stands in for the GPU, page locks faked): the
     save enqueues none of its copies into the snapshot set itself (a flush would queue them all
     before the save's own small reads of the device, which would wait behind them); the writer's
-    fill waits for the feeder to run them, and the writer gets the state as it was at the save."""
+    fill waits for the feeder to run them, and the writer gets the state as it was at the save.
+    Where nothing can be copied from the device (`unpinned`: the set could not be page-locked;
+    `none`: no set to take), what the writer gets is read from the host copies: the save enqueues
+    their copy-outs itself, while the feeder's thread is still held."""
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
     from test_chunked_step_cpu import MegatronShapedMany
@@ -385,9 +415,11 @@ def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder():
     coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
                        async_save_background_fill=True, copy_out_in_flight_bytes=1024)
     off = coord.add_optimizer(opt)
-    locks = FakeLocks()
+    locks = FakeLocks(fail_at=1 if sets == "unpinned" else None)
     off.snapshots.device_fill = True
     off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    if sets == "none":
+        monkeypatch.setattr(off.snapshots, "_choose", lambda *a: None)
     coord.offload_existing_state()
     for step in range(2):
         make_grads(ref.all_params(), step)
@@ -403,14 +435,21 @@ def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder():
     try:
         with coord.state_access(coord.offloaders, will_modify=False, host_copies_ok=True, references_only=True):
             handed = {st.name: st.tensor.view(-1) for c in off.chunks for st in c.tensors}
-        assert coord.feeder.flushed_pieces == 0 and all(coord.feeder.pending(c) for c in off.chunks)
-        assert off.snapshots.device_bytes == sum(v.nbytes for v in handed.values())
         fills = coord.pending_snapshot_fills()
-        assert fills
-        for fill in fills:
-            fill.start()
-        time.sleep(0.2)
-        assert not any(fill.done for fill in fills)  # (waiting for the held thread)
+        if sets == "pinned":
+            assert coord.feeder.flushed_pieces == 0 and all(coord.feeder.pending(c) for c in off.chunks)
+            assert off.snapshots.device_bytes == sum(v.nbytes for v in handed.values())
+            assert fills
+            for fill in fills:
+                fill.start()
+            time.sleep(0.2)
+            assert not any(fill.done for fill in fills)  # (waiting for the held thread)
+        else:
+            assert off.snapshots.device_bytes == 0 and bool(fills) == (sets == "unpinned")
+            for fill in fills:
+                fill.start()
+            snapshot_fill.check_written(fills)
+            assert_bitwise_equal({k: v.clone() for k, v in handed.items()}, expected)
     finally:
         release()
     snapshot_fill.check_written(fills)
