@@ -41,6 +41,17 @@ def gated_feeder(in_flight_bytes=10**9):
     return feeder, gate.set
 
 
+def fail_next_record(feeder):
+    """The next piece's event fails, after its copy, as a failing enqueue would."""
+    record = feeder.streams.record
+
+    def fail_once(stream):
+        feeder.streams.record = record
+        raise RuntimeError("injected copy failure")
+
+    feeder.streams.record = fail_once
+
+
 def test_flush_enqueues_every_piece_up_to_the_chunk_in_order_and_once():
     feeder, release = gated_feeder()
     try:
@@ -165,14 +176,7 @@ def test_a_failing_copy_in_the_thread_loses_no_piece_and_the_callers_take_over(c
     original = chunk.host
     try:
         feeder.submit(Offloader(), [chunk])
-        record = feeder.streams.record
-
-        def fail_once(stream):
-            """The first piece's event fails, after its copy, as a failing enqueue would."""
-            feeder.streams.record = record
-            raise RuntimeError("injected copy failure")
-
-        feeder.streams.record = fail_once
+        fail_next_record(feeder)
     finally:
         release()
     deadline = time.time() + 10
@@ -356,13 +360,7 @@ def test_a_waiter_for_submitted_copies_enqueues_them_itself_once_the_thread_fail
     snap = torch.zeros(2500, dtype=torch.uint8)
     try:
         fed = feeder.submit_copies([(chunk, snap, chunk.packed)])
-        record = feeder.streams.record
-
-        def fail_once(stream):
-            feeder.streams.record = record
-            raise RuntimeError("injected copy failure")
-
-        feeder.streams.record = fail_once
+        fail_next_record(feeder)
     finally:
         release()
     waiter = threading.Thread(target=fed.synchronize, kwargs={"flush": False})
@@ -407,17 +405,13 @@ def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder(sets, mon
     their copy-outs itself, while the feeder's thread is still held."""
     from megatron_offload import snapshot_fill
     from megatron_offload.discovery import find_state_tensors
-    from test_chunked_step_cpu import MegatronShapedMany
+    from test_chunked_step_cpu import MegatronShapedMany, background_saving_coord
     from test_offloader_cpu import CPU
     from test_save_snapshot_cpu import FakeLocks
 
     ref, opt = MegatronShapedMany(), MegatronShapedMany()
-    coord = make_coord(chunk_bytes=2048, async_saves=True, async_save_snapshots=True,
-                       async_save_background_fill=True, copy_out_in_flight_bytes=1024)
-    off = coord.add_optimizer(opt)
-    locks = FakeLocks(fail_at=1 if sets == "unpinned" else None)
-    off.snapshots.device_fill = True
-    off.snapshots._register, off.snapshots._unregister = locks.register, locks.unregister
+    coord, off = background_saving_coord(opt, locks=FakeLocks(fail_at=1 if sets == "unpinned" else None),
+                                         copy_out_in_flight_bytes=1024)
     if sets == "none":
         monkeypatch.setattr(off.snapshots, "_choose", lambda *a: None)
     coord.offload_existing_state()
