@@ -10,8 +10,9 @@ is done (with the chunked step: when each piece is stepped), but only about `in_
 it are ever queued on the GPU (the thread tops the queue up while less is in flight, one piece of
 at most that size at a time): a read waits behind at most those. The thread keeps the copy engine
 busy while the main thread is blocked in such a read. An asynchronous save's copies from the GPU into
-its snapshot set are fed the same way (`submit_copies`; [Note: device fill] in save_snapshot.py):
-the save's own planning reads the device too.
+its snapshot set are fed the same way (`submit_copies`; [Note: device fill] in save_snapshot.py),
+held until the save has handed its request to the writer: the save's own planning reads the
+device, and megatron-core copies what stays on the GPU, on the same copy engine.
 
 Invariants:
 * Pieces are enqueued on the D2H stream in submission order, each batch after a wait on the
@@ -21,6 +22,8 @@ Invariants:
   calls `flush` first, which enqueues every piece up to that chunk from the caller's thread.
 * A chunk's `ready` is set before it leaves `pending`, so a caller that reads `pending()` without
   the lock (`OptimizerStateOffloader.copied_out`) and finds it False also finds its `ready`.
+* The thread leaves a held batch, and every batch after it, until it is released; `flush` and
+  `close` enqueue it all the same (holding delays copies, never skips them).
 * Enqueuing and `flush` hold one lock, so a piece is enqueued at least once and leaves the queue
   only once all its bookkeeping is done (a failure half-way enqueues the same copy again later,
   which writes the same bytes). If the thread fails, it says so in the log and the callers enqueue
@@ -89,19 +92,26 @@ class _Batch:
         self.timer = None
         self.enqueued = threading.Event()  # set once its last piece is enqueued
         self.last = None  # the event after its last piece (None on CPU)
+        self.held = False  # the thread leaves it (and every batch after it) until it is released
 
 
 class FedCopies:
-    """What `submit_copies` returns: `synchronize` waits until the copies have run."""
+    """What `submit_copies` returns: `synchronize` waits until the copies have run (releasing
+    them first if they were submitted held)."""
 
     def __init__(self, feeder, batch):
         self._feeder = feeder
         self._batch = batch
 
+    def release(self) -> None:
+        """Let the thread feed copies submitted `held` (a no-op otherwise)."""
+        self._feeder._release(self._batch)
+
     def synchronize(self, flush: bool = True) -> None:
         """Block until every piece has run. `flush`: enqueue the pieces the thread has not yet,
         from this thread, at once; else wait for the thread to enqueue them (at its bounded pace;
         the caller enqueues them itself only if the thread is gone)."""
+        self.release()
         self._feeder._wait_enqueued(self._batch, flush)
         if self._batch.enqueued.is_set() and self._batch.last is not None:
             self._batch.last.synchronize()
@@ -137,14 +147,17 @@ class CopyOutFeeder:
         step = min(offloader.copy_piece_bytes or FEED_PIECE_BYTES, FEED_PIECE_BYTES, self.in_flight_bytes)
         self._add(_Batch([(c, c.host, c.packed) for c in chunks], self.streams.record(self.streams.compute), step))
 
-    def submit_copies(self, copies: List) -> FedCopies:
+    def submit_copies(self, copies: List, held: bool = False) -> FedCopies:
         """Feed `copies`, (chunk, dst, src) with `src` a view of the chunk's device buffer and
         `dst` host memory of its size, like copy-outs: after the compute stream's work enqueued so
         far and after every copy submitted before, in pieces, about `in_flight_bytes` queued. A
         chunk stays `pending` (and its `ready` unset) until its last piece of any batch is
-        enqueued, so that whoever frees it waits for these copies too."""
+        enqueued, so that whoever frees it waits for these copies too. `held`: the thread starts
+        on them (and on anything submitted later) only once they are released
+        (`FedCopies.release` or `synchronize`); a `flush` enqueues them all the same."""
         step = min(FEED_PIECE_BYTES, self.in_flight_bytes)
         batch = _Batch([c for c in copies if c[1].numel()], self.streams.record(self.streams.compute), step)
+        batch.held = held
         if not batch.pieces:
             batch.enqueued.set()
             return FedCopies(self, batch)
@@ -251,11 +264,18 @@ class CopyOutFeeder:
             self._batches.popleft()
             batch.last = event
             batch.enqueued.set()
+            self._lock.notify()  # (a thread waiting at a held batch that a flush just enqueued)
         nbytes = dst.numel() * dst.element_size()
         if self._thread is not None and self.error is None and event is not None:
             # Only the thread reads this window (`_queued_bytes`); without it nothing drains it.
             self._in_flight.append((event, nbytes))
             self._in_flight_bytes += nbytes
+
+    def _release(self, batch: _Batch) -> None:
+        with self._lock:
+            if batch.held:
+                batch.held = False
+                self._lock.notify()
 
     def _wait_enqueued(self, batch: _Batch, flush: bool) -> None:
         """Until `batch`'s last piece is enqueued: enqueued from here at once (`flush`, or no
@@ -286,7 +306,7 @@ class CopyOutFeeder:
                 torch.cuda.set_device(self.streams.device)
             while True:
                 with self._lock:
-                    while not self._batches and not self._closed:
+                    while (not self._batches or self._batches[0].held) and not self._closed:
                         self._lock.wait()
                     if self._closed and not self._batches:
                         return

@@ -133,8 +133,8 @@ class HostCopies:
                         torch.cuda.set_device(device)
                         event.synchronize()
                     if device_copies is not None:
-                        # (at the feeder's pace: flushing them would queue them all before the
-                        # small reads of the save, which would wait behind them; copy_feeder.py)
+                        # (released now, then at the feeder's pace: flushing them would queue
+                        # them all at once, and later device reads would wait behind them)
                         device_copies.synchronize(flush=False)
             else:
                 if cuda:
@@ -319,7 +319,9 @@ class HostCopies:
 
             def enqueue(copies):
                 copies = sorted(copies, key=lambda copy: -large[copy[0]][0].address)  # (the free order)
-                fed.append(self.feeder.submit_copies([(large[i][0], dst, src) for i, dst, src in copies]))
+                # Held until the fill's thread waits for them (it starts once the save's request is
+                # with the writer): queued at once, they would delay the save's own device reads.
+                fed.append(self.feeder.submit_copies([(large[i][0], dst, src) for i, dst, src in copies], held=True))
                 return fed[0]
 
             self.snapshots.copy_from_device(likes, unscaled, sources, enqueue)

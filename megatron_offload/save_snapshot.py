@@ -55,8 +55,9 @@ and that forward frees them as after any step, its wait covering both copies. Th
 no host copy and no GPU memory, and frees nothing: the wait for the copies moves to the next
 forward's frees, by when they have had the rest of the save to run. With the copy feeder (the streamed
 step's default) the second copy is fed like the copy-outs, behind them and in the order the chunks
-are freed, about the in-flight bound queued: the save's own small device reads (megatron-core's
-planning) would otherwise wait behind every copy at once (copy_feeder.py). Without it the copy goes
+are freed, about the in-flight bound queued, and only from when the fill's thread starts (once the
+request is with the writer): the save's own device reads (megatron-core's planning, its copy of
+what stays on the GPU) would otherwise wait behind every copy at once (copy_feeder.py). Without it the copy goes
 to the D2H stream at once, and those reads wait behind it. The fill thread waits for those copies (at the feeder's pace) and copies
 on the host only what the GPU no longer held (chunks the chunked step already freed) and TE's 16-bit
 states served as fp32, which need the host's conversion (their copy-outs are enqueued at the save). A claim

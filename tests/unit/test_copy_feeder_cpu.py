@@ -354,6 +354,44 @@ def test_submitted_copies_follow_earlier_batches_and_keep_their_chunks_pending()
     feeder.close()
 
 
+def wait_until(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+@pytest.mark.parametrize("released_by", ["synchronize", "flush"])
+def test_held_copies_wait_for_their_release_and_so_does_what_follows(released_by):
+    """`submit_copies(held=True)` (an asynchronous save's copies into its set, held until its
+    fill starts): the thread feeds what came before them and stops there, batches submitted later
+    included; `synchronize(flush=False)` releases them to the thread, a flush enqueues them (and
+    what it needs after them) from the caller as if they were not held."""
+    feeder = CopyOutFeeder(CopyStreams(torch.device("cpu")), in_flight_bytes=1000)
+    chunks = [Chunk(2500, k + 1) for k in range(3)]
+    snap = torch.zeros(2500, dtype=torch.uint8)
+    feeder.submit(Offloader(), chunks[:1])
+    fed = feeder.submit_copies([(chunks[0], snap, chunks[0].packed)], held=True)
+    feeder.submit(Offloader(), chunks[1:])
+    assert wait_until(lambda: torch.equal(chunks[0].host, chunks[0].packed))
+    time.sleep(0.2)  # (time for the thread to go on, were it not held)
+    assert feeder.enqueued_pieces == 3 and not snap.any() and not chunks[1].host.any()
+    assert feeder.pending(chunks[0]) and feeder.busy()
+    if released_by == "flush":
+        feeder.flush([chunks[1]])
+        assert feeder.flushed_pieces == 6 and torch.equal(snap, chunks[0].packed)
+        assert torch.equal(chunks[1].host, chunks[1].packed) and not feeder.pending(chunks[0])
+    else:
+        waiter = threading.Thread(target=fed.synchronize, kwargs={"flush": False})
+        waiter.start()
+        waiter.join(10)
+        assert not waiter.is_alive() and torch.equal(snap, chunks[0].packed)
+    assert wait_until(lambda: not feeder.busy())  # (the thread fed the rest)
+    assert all(torch.equal(c.host, c.packed) for c in chunks) and feeder.enqueued_pieces == 12
+    assert feeder.flushed_pieces == (6 if released_by == "flush" else 0)
+    feeder.close()
+
+
 def test_a_waiter_for_submitted_copies_enqueues_them_itself_once_the_thread_failed():
     feeder, release = gated_feeder()
     chunk = Chunk(2500, 3)
@@ -399,7 +437,8 @@ def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder(sets, mon
     """[Note: device fill] with the feeder (the CPU stands in for the GPU, page locks faked): the
     save enqueues none of its copies into the snapshot set itself (a flush would queue them all
     before the save's own small reads of the device, which would wait behind them); the writer's
-    fill waits for the feeder to run them, and the writer gets the state as it was at the save.
+    fill waits for the feeder to run them (held until it starts), and the writer gets the state as
+    it was at the save.
     Where nothing can be copied from the device (`unpinned`: the set could not be page-locked;
     `none`: no set to take), what the writer gets is read from the host copies: the save enqueues
     their copy-outs itself, while the feeder's thread is still held."""
@@ -434,10 +473,13 @@ def test_an_in_place_save_leaves_its_copies_into_the_set_to_the_feeder(sets, mon
             assert coord.feeder.flushed_pieces == 0 and all(coord.feeder.pending(c) for c in off.chunks)
             assert off.snapshots.device_bytes == sum(v.nbytes for v in handed.values())
             assert fills
+            # The thread feeds the copy-outs and holds the copies into the set until the fill starts.
+            release()
+            assert wait_until(lambda: all(torch.equal(c.host.view(-1), c.packed.view(-1)) for c in off.chunks))
+            time.sleep(0.2)
+            assert all(coord.feeder.pending(c) for c in off.chunks) and coord.feeder.busy()
             for fill in fills:
                 fill.start()
-            time.sleep(0.2)
-            assert not any(fill.done for fill in fills)  # (waiting for the held thread)
         else:
             assert off.snapshots.device_bytes == 0 and bool(fills) == (sets == "unpinned")
             for fill in fills:
