@@ -11,8 +11,9 @@ it are ever queued on the GPU (the thread tops the queue up while less is in fli
 at most that size at a time): a read waits behind at most those. The thread keeps the copy engine
 busy while the main thread is blocked in such a read. An asynchronous save's copies from the GPU into
 its snapshot set are fed the same way (`submit_copies`; [Note: device fill] in save_snapshot.py),
-held until the save has handed its request to the writer: the save's own planning reads the
-device, and megatron-core copies what stays on the GPU, on the same copy engine.
+held until the save's fill starts (once its request is with the writer, or when something waits
+for the fill; a free flushes them before): the save's own planning reads the device, and
+megatron-core copies what stays on the GPU, on the same copy engine.
 
 Invariants:
 * Pieces are enqueued on the D2H stream in submission order, each batch after a wait on the
@@ -272,10 +273,18 @@ class CopyOutFeeder:
             self._in_flight_bytes += nbytes
 
     def _release(self, batch: _Batch) -> None:
+        """`batch` and every held batch queued before it (the thread could not reach it past them:
+        one whose fill never started, a save that failed before its take) go to the thread."""
         with self._lock:
-            if batch.held:
-                batch.held = False
-                self._lock.notify()
+            if not batch.held:
+                return
+            batch.held = False
+            if not batch.enqueued.is_set():
+                for queued in self._batches:
+                    if queued is batch:
+                        break
+                    queued.held = False
+            self._lock.notify()
 
     def _wait_enqueued(self, batch: _Batch, flush: bool) -> None:
         """Until `batch`'s last piece is enqueued: enqueued from here at once (`flush`, or no

@@ -56,7 +56,7 @@ no host copy and no GPU memory, and frees nothing: the wait for the copies moves
 forward's frees, by when they have had the rest of the save to run. With the copy feeder (the streamed
 step's default) the second copy is fed like the copy-outs, behind them and in the order the chunks
 are freed, about the in-flight bound queued, and only from when the fill's thread starts (once the
-request is with the writer): the save's own device reads (megatron-core's planning, its copy of
+request is with the writer, or earlier where something waits for the fill): the save's own device reads (megatron-core's planning, its copy of
 what stays on the GPU) would otherwise wait behind every copy at once (copy_feeder.py). Without it the copy goes
 to the D2H stream at once, and those reads wait behind it. The fill thread waits for those copies (at the feeder's pace) and copies
 on the host only what the GPU no longer held (chunks the chunked step already freed) and TE's 16-bit

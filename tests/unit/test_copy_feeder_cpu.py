@@ -373,7 +373,7 @@ def test_held_copies_wait_for_their_release_and_so_does_what_follows(released_by
     feeder.submit(Offloader(), chunks[:1])
     fed = feeder.submit_copies([(chunks[0], snap, chunks[0].packed)], held=True)
     feeder.submit(Offloader(), chunks[1:])
-    assert wait_until(lambda: torch.equal(chunks[0].host, chunks[0].packed))
+    assert wait_until(lambda: feeder.enqueued_pieces == 3)
     time.sleep(0.2)  # (time for the thread to go on, were it not held)
     assert feeder.enqueued_pieces == 3 and not snap.any() and not chunks[1].host.any()
     assert feeder.pending(chunks[0]) and feeder.busy()
@@ -390,6 +390,31 @@ def test_held_copies_wait_for_their_release_and_so_does_what_follows(released_by
     assert all(torch.equal(c.host, c.packed) for c in chunks) and feeder.enqueued_pieces == 12
     assert feeder.flushed_pieces == (6 if released_by == "flush" else 0)
     feeder.close()
+
+
+@pytest.mark.parametrize("then", ["synchronize", "close"])
+def test_a_release_also_releases_the_held_copies_queued_before(then):
+    """Two held batches (a save whose fill never started, or that failed before its take, then
+    another save): a wait for the later one's copies at the thread's pace releases the earlier
+    too (the thread cannot reach it past them), and a close enqueues every held one."""
+    feeder = CopyOutFeeder(CopyStreams(torch.device("cpu")), in_flight_bytes=1000)
+    chunks = [Chunk(2500, k + 1) for k in range(2)]
+    snaps = [torch.zeros(2500, dtype=torch.uint8) for _ in chunks]
+    first = feeder.submit_copies([(chunks[0], snaps[0], chunks[0].packed)], held=True)
+    second = feeder.submit_copies([(chunks[1], snaps[1], chunks[1].packed)], held=True)
+    time.sleep(0.2)
+    assert feeder.enqueued_pieces == 0 and feeder.pending(chunks[0])
+    if then == "close":
+        feeder.close()
+    else:
+        waiter = threading.Thread(target=second.synchronize, kwargs={"flush": False}, daemon=True)
+        waiter.start()
+        waiter.join(10)
+        assert not waiter.is_alive()
+        first.synchronize(flush=False)
+        assert feeder.flushed_pieces == 0
+        feeder.close()
+    assert all(torch.equal(snap, c.packed) for snap, c in zip(snaps, chunks)) and feeder.enqueued_pieces == 6
 
 
 def test_a_waiter_for_submitted_copies_enqueues_them_itself_once_the_thread_failed():
