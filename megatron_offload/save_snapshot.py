@@ -50,19 +50,20 @@ training goes on, and the next copy-out into the pinned buffer must wait for it.
 the sets are page-locked in place instead (`device_fill`), and a save leaves the chunks it finds on
 the GPU (the step before it wrote them: the usual case) where they are: their copy-out starts, a
 second D2H copies them from there straight into the set the save takes (`copy_from_device`,
-`HostCopies.expose_host_copies`), their tensors point at those snapshots until the next forward,
-and that forward frees them as after any step, its wait covering both copies. The save then costs
-no host copy and no GPU memory, and frees nothing: the wait for the copies moves to the next
-forward's frees, by when they have had the rest of the save to run. With the copy feeder (the streamed
-step's default) the second copy is fed like the copy-outs, behind them and in the order the chunks
-are freed, about the in-flight bound queued, and only from when the fill's thread starts (once the
-request is with the writer, or earlier where something waits for the fill): the save's own device reads (megatron-core's planning, its copy of
-what stays on the GPU) would otherwise wait behind every copy at once (copy_feeder.py). Without it the copy goes
-to the D2H stream at once, and those reads wait behind it. The fill thread waits for those copies (at the feeder's pace) and copies
-on the host only what the GPU no longer held (chunks the chunked step already freed) and TE's 16-bit
-states served as fp32, which need the host's conversion (their copy-outs are enqueued at the save). A claim
-(`copy_from_device`) serves only the background `take` of the save that made it: every such save
-begins with `forget_claim`.
+`HostCopies.expose_host_copies`), their tensors point at those snapshots until the next forward, and
+that forward frees them as after any step, its wait covering both copies. The save then costs no
+host copy and no GPU memory, and frees nothing: the wait for the copies moves to the next forward's
+frees, by when they have had the rest of the save to run. With the copy feeder (the streamed step's
+default) the second copy is fed like the copy-outs, behind them and in the order the chunks are
+freed, about the in-flight bound queued, and only from when the fill's thread starts (once the
+request is with the writer, or earlier where something waits for the fill): the save's own device
+reads (megatron-core's planning, its copy of what stays on the GPU) would otherwise wait behind
+every copy at once (copy_feeder.py). Without it the copy goes to the D2H stream at once, and those
+reads wait behind it. The fill thread waits for those copies (at the feeder's pace) and copies on
+the host only what the GPU no longer held (chunks the chunked step already freed) and TE's 16-bit
+states served as fp32, which need the host's conversion (their copy-outs are enqueued at the save).
+A claim (`copy_from_device`) serves only the background `take` of the save that made it: every such
+save begins with `forget_claim`.
 """
 
 from __future__ import annotations
