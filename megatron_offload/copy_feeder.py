@@ -159,10 +159,10 @@ class CopyOutFeeder:
         step = min(FEED_PIECE_BYTES, self.in_flight_bytes)
         batch = _Batch([c for c in copies if c[1].numel()], self.streams.record(self.streams.compute), step)
         batch.held = held
-        if not batch.pieces:
+        if batch.pieces:
+            self._add(batch)
+        else:
             batch.enqueued.set()
-            return FedCopies(self, batch)
-        self._add(batch)
         return FedCopies(self, batch)
 
     def _add(self, batch: _Batch) -> None:
