@@ -91,6 +91,9 @@ class OffloadConfig:
     # Memory kept for good since the latest sample lowers P and the profile is learned again
     # (MemoryPolicy._forget_lasting_growth; False: the benchmark's @keepprofile).
     forget_lasting_growth: bool = True
+    # ... and the forward's frees keep at least that much free below the peak (MemoryPolicy._margin;
+    # False: only margin_bytes, the benchmark's @nolastmargin).
+    lasting_growth_margin: bool = True
     # The host-lead bound of the automatic fraction's calibration iterations (None: the run's own).
     calibration_host_lead_layers: Optional[int] = CALIBRATION_HOST_LEAD_LAYERS
     # The second calibration's reading bounded by the first's untrimmed estimate

@@ -54,7 +54,8 @@ def add_flags(parser):
         type=int,
         default=DEFAULT_MARGIN_BYTES // 2**20,
         help="Safety margin (MiB) kept below the measured activation peak when deciding how "
-        "late state may stay on the GPU. (megatron-offload)",
+        "late state may stay on the GPU; at least the memory the first iterations kept for good "
+        "(e.g. FP8 weight copies). (megatron-offload)",
     )
     group.add_argument(
         "--offload-state-fraction",

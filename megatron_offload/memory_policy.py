@@ -7,7 +7,7 @@ iteration's first forward starts (state still resident) and g(t) the activation 
 (measured allocated bytes plus the state bytes freed so far). The goal is that allocated never
 exceeds A0 - S + P, P being the iteration's peak growth; with r(t) state bytes still resident
 that means r(t) + g(t) <= P. At each layer's forward pre-hook we free chunks until
-r <= P - g(next hook) - margin, g being the growth profile measured on earlier iterations; after
+r <= P - g(next hook) - margin (`_margin`), g being the growth profile measured on earlier iterations; after
 the last hook (output layer and loss, unsampled until the forward's end) the budget is 0.
 Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook;
 so does an empty profile (learned again after memory kept for good: `_forget_lasting_growth`)
@@ -108,7 +108,24 @@ class MemoryPolicy:
         # that transient, which is then the iteration's peak. So the last interval counts as
         # reaching P: everything still copying out is freed at the last hook.
         upcoming = self.profile[h + 1] if h + 1 < len(self.profile) else self.peak_growth
-        return max(0, self.peak_growth - upcoming - self.config.margin_bytes)
+        return max(0, self.peak_growth - upcoming - self._margin())
+
+    def _margin(self) -> int:
+        """Bytes the budget keeps free below the peak: the configured margin, or with
+        `lasting_growth_margin` the memory kept for good since the first sample
+        (`profile_relearned_bytes`) where that is larger.
+
+        Why: memory that the first forward creates and keeps (Transformer Engine's FP8 weight
+        copies) lies among that forward's activations, and stays there as islands once the
+        activations are gone. Frees paced to the total growth then leave enough bytes free, but in
+        pieces between islands and resident chunks, and an activation that fits none of them maps
+        new memory: *reserved* memory grows although allocated memory stays at A0 - S + P. Freeing
+        that much earlier leaves them room they fit. Costs only copy-out waits where a free comes
+        before its chunk's copy-out is over; nothing where nothing was kept.
+        See [Note: lasting margin] in docs/design.md."""
+        if not self.config.lasting_growth_margin:
+            return self.config.margin_bytes
+        return max(self.config.margin_bytes, self.profile_relearned_bytes)
 
     def _free_when_copied_out(self, h: int) -> None:
         """Once every chunk still COPYING_OUT has finished its copy, free them all before layer `h`

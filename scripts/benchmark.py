@@ -80,6 +80,9 @@ MODIFIERS = {
     # Memory the first iteration keeps for good stays counted as activation growth in P and the
     # profile (OffloadConfig.forget_lasting_growth off: the behaviour before that rule).
     "keepprofile": {"MEGATRON_OFFLOAD_FORGET_LASTING": "0"},
+    # ... and the forward's frees paced with the configured margin only, not at least that memory
+    # (OffloadConfig.lasting_growth_margin off).
+    "nolastmargin": {"MEGATRON_OFFLOAD_LASTING_MARGIN": "0"},
     # The host at most N layer hooks ahead of the compute stream (--offload-host-lead-layers,
     # streams.HostLeadBound); lead0: no bound.
     **{f"lead{n}": {"MEGATRON_OFFLOAD_HOST_LEAD": str(n)} for n in (0, 1, 2, 4, 8)},
@@ -129,6 +132,9 @@ ARG_MODIFIERS = {
     # Free every chunk at the first layer of the first forward (a margin no budget can leave room
     # for): no activation is ever placed among resident chunks (diagnostic; exposes the D2H).
     "freeall": ["--offload-memory-margin-mb", "1000000"],
+    # The forward's frees that much earlier than the growth profile asks (MiB; the default is
+    # config.DEFAULT_MARGIN_BYTES): more room free when activations need a block of their size.
+    **{f"margin{n}": ["--offload-memory-margin-mb", str(n)] for n in (256, 512, 1024, 2048)},
     # Python's automatic collector off and one full collection after every iteration (Megatron's
     # --manual-gc): tensors kept by reference cycles are freed at the same point of every
     # iteration instead of wherever a collection happens to run (diagnostic).

@@ -454,6 +454,7 @@ DIAGNOSTIC_ENV = {
     "MEGATRON_OFFLOAD_FALLBACK_RELEASE": ("release_before_unfitted_reload", lambda v: v != "0"),
     "MEGATRON_OFFLOAD_FALLBACK_RELEASE_ALL": ("fallback_release_every_iteration", lambda v: v == "1"),
     "MEGATRON_OFFLOAD_FORGET_LASTING": ("forget_lasting_growth", lambda v: v != "0"),
+    "MEGATRON_OFFLOAD_LASTING_MARGIN": ("lasting_growth_margin", lambda v: v != "0"),
     # "run": the calibration under the run's own bound; a number: that many layers.
     "MEGATRON_OFFLOAD_CAL_HOST_LEAD": ("calibration_host_lead_layers", lambda v: None if v == "run" else int(v)),
     "MEGATRON_OFFLOAD_CAL_CAP": ("second_calibration_capped", lambda v: v != "0"),

@@ -591,17 +591,18 @@ def simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, microb
 
 
 def warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=False, offload_at_start=False, state_fraction=1.0,
-                   **iteration_kw):
+                   coord_kw=None, **iteration_kw):
     """A reference optimizer and an offloaded one, each with its simulated memory, after the two
     iterations that measure the growth profile: (ref, opt, ref_mem, mem, coord). With
     `copies_running` every copy-out is still in flight when the forward frees (as on a GPU where
     the copy-out runs into the forward), so the budget paces the frees; else (CPU copies are
     synchronous) the copy-out is over by the first hook, which then frees it all.
-    `offload_at_start`: the masters leave at start-up, as the Megatron wiring has them."""
+    `offload_at_start`: the masters leave at start-up, as the Megatron wiring has them. `coord_kw`:
+    more of the coordinator's keywords (`make_coordinator`)."""
     ref, opt = FakeDistOpt(), FakeDistOpt()
     ref_mem, mem = SimulatedMemory(ref), SimulatedMemory(opt)
     coord = make_coord(margin_bytes=margin, memory_allocated=mem.allocated,
-                       max_memory_allocated=mem.max_allocated, state_fraction=state_fraction)
+                       max_memory_allocated=mem.max_allocated, state_fraction=state_fraction, **(coord_kw or {}))
     coord.add_optimizer(opt)
     if offload_at_start:
         coord.offload_existing_state()
@@ -641,13 +642,15 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
     counts them as growth; P and the profile would then let as many state bytes stay through
     every later first forward's peak. The next first forward sees the lasting growth, lowers P
     by it and learns the profile again; from then on the frees are paced as without the lasting
-    memory and the state is off the peak."""
+    memory and the state is off the peak. (Here without the margin that memory adds to the budget:
+    the next test.)"""
     layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
     kw = dict(loss_transient=10_000)  # (a peak after the last hook: P is more than the sampled growth)
 
     def run(lasting, fraction=1.0):
         ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=True,
                                                        offload_at_start=True, state_fraction=fraction,
+                                                       coord_kw=dict(lasting_growth_margin=False),
                                                        lasting_layer_bytes=lasting, **kw)
         ref_mem.max = mem.max = 0
         traces = []
@@ -673,6 +676,43 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
     half, _ = run(lasting, fraction=0.5)
     assert half.profile_relearned == 1 and half.profile_relearned_bytes == LAYERS * lasting
     assert sum(off.kept_bytes for off in half.offloaders) > 2 * margin
+
+
+def test_memory_kept_for_good_is_kept_free_below_the_peak_too():
+    """The lasting memory (TE's FP8 weight copies) lies among the first forward's activations; the
+    frees paced to the total leave room in pieces between it, and activations that fit none map
+    new memory (reserved grows, allocated does not). So the budget's margin is at least the
+    lasting bytes: the frees are exactly those of a run without lasting memory whose margin is
+    that large, earlier than with the configured margin alone, and the state is still off the peak."""
+    layer_bytes, logits_bytes, margin, lasting = 40_000, 30_000, 1024, 5_000
+    kw = dict(loss_transient=10_000)
+
+    def run(lasting_layer_bytes, margin_bytes, **coord_kw):
+        ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin_bytes, copies_running=True,
+                                                       offload_at_start=True, coord_kw=coord_kw,
+                                                       lasting_layer_bytes=lasting_layer_bytes, **kw)
+        ref_mem.max = mem.max = 0
+        traces = []
+        for step in range(2, 5):
+            traces.append([])
+            simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, **kw)
+            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=traces[-1], **kw)
+            assert_bitwise_equal(snapshot(ref), snapshot(opt))
+        assert mem.max <= ref_mem.max - coord.state_bytes + margin, (mem.max, ref_mem.max - coord.state_bytes)
+        return coord, traces
+
+    coord, traces = run(lasting, margin)
+    kept = coord.profile_relearned_bytes
+    assert coord.profile_relearned == 1 and kept == LAYERS * lasting > 2 * margin
+    assert coord._margin() == kept
+    wide, wide_traces = run(0, kept)  # no lasting memory, the same margin configured
+    assert wide.profile_relearned == 0 and wide._margin() == kept
+    assert traces == wide_traces, (traces, wide_traces)
+    rule_off, off_traces = run(lasting, margin, lasting_growth_margin=False)
+    assert rule_off._margin() == margin
+    # Earlier: at some hook less state is still resident, and at none more.
+    assert all(a <= b for t, u in zip(traces, off_traces) for a, b in zip(t, u)), (traces, off_traces)
+    assert traces != off_traces, traces
 
 
 def test_memory_kept_for_good_counts_once_where_no_forward_samples_after_it():

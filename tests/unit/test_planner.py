@@ -734,6 +734,7 @@ def test_the_calibrations_bound_has_a_benchmark_modifier_the_mock_understands():
     assert field in {f.name for f in dataclasses.fields(OffloadConfig)}
     for modifier, field, off in (("wsmax", "workspace_by_position", False), ("nows", "keep_backward_workspace", False),
                                  ("keepprofile", "forget_lasting_growth", False),
+                                 ("nolastmargin", "lasting_growth_margin", False),
                                  ("syncfill", "async_save_background_fill", False)):
         (var, value), = benchmark.MODIFIERS[modifier].items()
         assert pretrain_gpt_mock.DIAGNOSTIC_ENV[var][0] == field and pretrain_gpt_mock.DIAGNOSTIC_ENV[var][1](value) is off
