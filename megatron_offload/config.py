@@ -92,7 +92,8 @@ class OffloadConfig:
     # (MemoryPolicy._forget_lasting_growth; False: the benchmark's @keepprofile).
     forget_lasting_growth: bool = True
     # ... and the forward's frees keep at least that much free below the peak (MemoryPolicy._margin;
-    # False: only margin_bytes, the benchmark's @nolastmargin).
+    # False: margin_bytes alone, as where the user gave --offload-memory-margin-mb, and the
+    # benchmark's @nolastmargin).
     lasting_growth_margin: bool = True
     # The host-lead bound of the automatic fraction's calibration iterations (None: the run's own).
     calibration_host_lead_layers: Optional[int] = CALIBRATION_HOST_LEAD_LAYERS

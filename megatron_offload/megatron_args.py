@@ -52,10 +52,11 @@ def add_flags(parser):
     group.add_argument(
         "--offload-memory-margin-mb",
         type=int,
-        default=DEFAULT_MARGIN_BYTES // 2**20,
+        default=None,
         help="Safety margin (MiB) kept below the measured activation peak when deciding how "
-        "late state may stay on the GPU; at least the memory the first iterations kept for good "
-        "(e.g. FP8 weight copies). (megatron-offload)",
+        f"late state may stay on the GPU. Default: {DEFAULT_MARGIN_BYTES // 2**20}, or the memory the "
+        "first iterations kept for good (e.g. FP8 weight copies) where that is larger; a value "
+        "given here is used as it is. (megatron-offload)",
     )
     group.add_argument(
         "--offload-state-fraction",
@@ -161,7 +162,7 @@ def check_values(args) -> None:
         return
     if args.offload_chunk_size_mb <= 0:
         raise validation.OffloadArgumentError("--offload-chunk-size-mb must be positive")
-    if args.offload_memory_margin_mb < 0:
+    if args.offload_memory_margin_mb is not None and args.offload_memory_margin_mb < 0:
         raise validation.OffloadArgumentError("--offload-memory-margin-mb must be >= 0")
     if args.offload_step_budget_mb < 0:
         raise validation.OffloadArgumentError("--offload-step-budget-mb must be >= 0 (0: automatic)")
@@ -252,6 +253,12 @@ def host_lead_for_survivors(args) -> int:
     return 0 if chosen else DEFERRED_FREES_HOST_LEAD_LAYERS
 
 
+def margin_mb(args) -> int:
+    """`--offload-memory-margin-mb`, or the default where it was not given."""
+    given = getattr(args, "offload_memory_margin_mb", None)
+    return DEFAULT_MARGIN_BYTES // 2**20 if given is None else given
+
+
 def config_from_args(args) -> OffloadConfig:
     """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
     auto = args.offload_state_fraction == AUTO
@@ -260,7 +267,9 @@ def config_from_args(args) -> OffloadConfig:
     global_saves_only = getattr(args, "non_persistent_ckpt_type", None) in (None, "global")
     return dataclasses.replace(OffloadConfig(
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
-        margin_bytes=args.offload_memory_margin_mb * 2**20,
+        margin_bytes=margin_mb(args) * 2**20,
+        # (the user's own margin is taken as it is)
+        lasting_growth_margin=getattr(args, "offload_memory_margin_mb", None) is None,
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
         copy_out_in_flight_bytes=copy_out_in_flight_mb(args) * 2**20,
         state_fraction=1.0 if auto else args.offload_state_fraction,

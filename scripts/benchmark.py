@@ -132,8 +132,9 @@ ARG_MODIFIERS = {
     # Free every chunk at the first layer of the first forward (a margin no budget can leave room
     # for): no activation is ever placed among resident chunks (diagnostic; exposes the D2H).
     "freeall": ["--offload-memory-margin-mb", "1000000"],
-    # The forward's frees that much earlier than the growth profile asks (MiB; the default is
-    # config.DEFAULT_MARGIN_BYTES): more room free when activations need a block of their size.
+    # The forward's frees that much earlier than the growth profile asks (MiB; a margin given is
+    # taken as it is, the lasting margin off; unset: 64 MiB or the memory kept for good, whichever
+    # is larger): more room free when activations need a block of their size.
     **{f"margin{n}": ["--offload-memory-margin-mb", str(n)] for n in (256, 512, 1024, 2048)},
     # Python's automatic collector off and one full collection after every iteration (Megatron's
     # --manual-gc): tensors kept by reference cycles are freed at the same point of every

@@ -51,9 +51,25 @@ def test_install_is_idempotent_and_wraps_by_module_attribute():
 def test_flags_registered_with_defaults():
     a = parse([])
     assert a.offload_optimizer_states is False
-    assert a.offload_chunk_size_mb == 256 and a.offload_memory_margin_mb == 64
+    assert a.offload_chunk_size_mb == 256 and a.offload_memory_margin_mb is None
     a = parse(["--offload-optimizer-states", "--offload-chunk-size-mb", "64"])
     assert a.offload_optimizer_states and a.offload_chunk_size_mb == 64
+
+
+def test_the_margin_is_64_mib_or_the_lasting_memory_unless_given():
+    """Not given: 64 MiB, or the memory kept for good where larger (MemoryPolicy._margin). Given
+    (0 included): exactly that, the lasting memory left out."""
+    from megatron_offload import megatron_args
+
+    on = ["--offload-optimizer-states", "--use-distributed-optimizer"]
+    config = megatron_args.config_from_args(parse(on))
+    assert config.margin_bytes == 64 * 2**20 and config.lasting_growth_margin
+    for mb in (0, 128):
+        config = megatron_args.config_from_args(parse(on + ["--offload-memory-margin-mb", str(mb)]))
+        assert config.margin_bytes == mb * 2**20 and not config.lasting_growth_margin
+    a = parse(on + ["--offload-memory-margin-mb", "-1"])
+    with pytest.raises(OffloadArgumentError, match="--offload-memory-margin-mb"):
+        megatron_wiring.validate_args(a)
 
 
 def test_validate_args_rejects_before_megatron_validation(capsys):
