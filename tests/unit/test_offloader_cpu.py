@@ -636,6 +636,31 @@ def test_memory_budget_frees_late_and_takes_state_off_the_peak():
     assert coord.profile_relearned == 0
 
 
+LASTING_LAYER, LASTING_LOGITS, LASTING_MARGIN = 40_000, 30_000, 1024
+LASTING_KW = dict(loss_transient=10_000)  # (a peak after the last hook: P is more than the sampled growth)
+
+
+def lasting_memory_run(lasting, margin=LASTING_MARGIN, fraction=1.0, **coord_kw):
+    """Three iterations after the two that measure the profile, on a run whose first forward
+    keeps `lasting` bytes per layer for good (`simulated_iteration`'s lasting_layer_bytes), the
+    state off at start-up and every copy-out running into the forward: (coordinator, the resident
+    state bytes at each hook per iteration). Checks that the state stays bit-exact and off the
+    peak (within the configured `margin`) and that the base leaves out state buffers."""
+    ref, opt, ref_mem, mem, coord = warmed_up_pair(LASTING_LAYER, LASTING_LOGITS, margin, copies_running=True,
+                                                   offload_at_start=True, state_fraction=fraction, coord_kw=coord_kw,
+                                                   lasting_layer_bytes=lasting, **LASTING_KW)
+    ref_mem.max = mem.max = 0
+    traces = []
+    for step in range(2, 5):
+        traces.append([])
+        simulated_iteration(ref, None, ref_mem, step, LASTING_LAYER, LASTING_LOGITS, **LASTING_KW)
+        simulated_iteration(opt, coord, mem, step, LASTING_LAYER, LASTING_LOGITS, trace=traces[-1], **LASTING_KW)
+        assert_bitwise_equal(snapshot(ref), snapshot(opt))
+    assert mem.max <= ref_mem.max - coord.state_bytes + margin, (mem.max, ref_mem.max - coord.state_bytes)
+    assert coord._base_bytes() == mem.base  # (between iterations: no activations)
+    return coord, traces
+
+
 def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_growth():
     """Transformer Engine's FP8 layers allocate their weight copies in the first iteration's
     first forward and keep them. That iteration's sample (the first, before any state exists)
@@ -644,24 +669,10 @@ def test_memory_kept_for_good_by_the_first_forward_does_not_count_as_activation_
     by it and learns the profile again; from then on the frees are paced as without the lasting
     memory and the state is off the peak. (Here without the margin that memory adds to the budget:
     the next test.)"""
-    layer_bytes, logits_bytes, margin = 40_000, 30_000, 1024
-    kw = dict(loss_transient=10_000)  # (a peak after the last hook: P is more than the sampled growth)
+    margin = LASTING_MARGIN
 
     def run(lasting, fraction=1.0):
-        ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin, copies_running=True,
-                                                       offload_at_start=True, state_fraction=fraction,
-                                                       coord_kw=dict(lasting_growth_margin=False),
-                                                       lasting_layer_bytes=lasting, **kw)
-        ref_mem.max = mem.max = 0
-        traces = []
-        for step in range(2, 5):
-            traces.append([])
-            simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, **kw)
-            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=traces[-1], **kw)
-            assert_bitwise_equal(snapshot(ref), snapshot(opt))
-        assert mem.max <= ref_mem.max - coord.state_bytes + margin, (mem.max, ref_mem.max - coord.state_bytes)
-        assert coord._base_bytes() == mem.base  # (between iterations: no activations)
-        return coord, traces
+        return lasting_memory_run(lasting, fraction=fraction, lasting_growth_margin=False)
 
     lasting = 20_000  # per layer: LAYERS x 20000 bytes, several chunks
     coord, traces = run(lasting)
@@ -684,22 +695,8 @@ def test_memory_kept_for_good_is_kept_free_below_the_peak_too():
     new memory (reserved grows, allocated does not). So the budget's margin is at least the
     lasting bytes: the frees are exactly those of a run without lasting memory whose margin is
     that large, earlier than with the configured margin alone, and the state is still off the peak."""
-    layer_bytes, logits_bytes, margin, lasting = 40_000, 30_000, 1024, 5_000
-    kw = dict(loss_transient=10_000)
-
-    def run(lasting_layer_bytes, margin_bytes, **coord_kw):
-        ref, opt, ref_mem, mem, coord = warmed_up_pair(layer_bytes, logits_bytes, margin_bytes, copies_running=True,
-                                                       offload_at_start=True, coord_kw=coord_kw,
-                                                       lasting_layer_bytes=lasting_layer_bytes, **kw)
-        ref_mem.max = mem.max = 0
-        traces = []
-        for step in range(2, 5):
-            traces.append([])
-            simulated_iteration(ref, None, ref_mem, step, layer_bytes, logits_bytes, **kw)
-            simulated_iteration(opt, coord, mem, step, layer_bytes, logits_bytes, trace=traces[-1], **kw)
-            assert_bitwise_equal(snapshot(ref), snapshot(opt))
-        assert mem.max <= ref_mem.max - coord.state_bytes + margin, (mem.max, ref_mem.max - coord.state_bytes)
-        return coord, traces
+    margin, lasting = LASTING_MARGIN, 5_000
+    run = lasting_memory_run
 
     coord, traces = run(lasting, margin)
     kept = coord.profile_relearned_bytes
