@@ -253,23 +253,20 @@ def host_lead_for_survivors(args) -> int:
     return 0 if chosen else DEFERRED_FREES_HOST_LEAD_LAYERS
 
 
-def margin_mb(args) -> int:
-    """`--offload-memory-margin-mb`, or the default where it was not given."""
-    given = getattr(args, "offload_memory_margin_mb", None)
-    return DEFAULT_MARGIN_BYTES // 2**20 if given is None else given
-
-
 def config_from_args(args) -> OffloadConfig:
     """The `--offload-*` flags as an OffloadConfig (plus DIAGNOSTICS)."""
     auto = args.offload_state_fraction == AUTO
     snapshots = bool(getattr(args, "async_save", False)) and getattr(args, "async_strategy", "mcore") == "mcore"
     # Local and in-memory checkpoints read the state in this process before their writer runs.
     global_saves_only = getattr(args, "non_persistent_ckpt_type", None) in (None, "global")
+    margin_mb = getattr(args, "offload_memory_margin_mb", None)
     return dataclasses.replace(OffloadConfig(
         chunk_bytes=args.offload_chunk_size_mb * 2**20,
-        margin_bytes=margin_mb(args) * 2**20,
-        # (the user's own margin is taken as it is)
-        lasting_growth_margin=getattr(args, "offload_memory_margin_mb", None) is None,
+        margin_bytes=DEFAULT_MARGIN_BYTES if margin_mb is None else margin_mb * 2**20,
+        # A margin the user gives means exactly that: an explicit choice (a large one frees
+        # everything at the first layer, a small one paces the frees as closely as it can), which
+        # the lasting margin (MemoryPolicy._margin) would otherwise override.
+        lasting_growth_margin=margin_mb is None,
         copy_piece_bytes=args.offload_copy_piece_mb * 2**20,
         copy_out_in_flight_bytes=copy_out_in_flight_mb(args) * 2**20,
         state_fraction=1.0 if auto else args.offload_state_fraction,

@@ -37,6 +37,10 @@ class MemoryPolicy:
         self._sampled_base: Optional[int] = None
         self.profile_relearned = 0
         self.profile_relearned_bytes = 0  # the lasting growth those times, summed
+        # Allocated bytes other than state at the first sampled forward's start, and how far the
+        # latest first forward's start was above them: the memory kept for good (`_margin`).
+        self._first_base: Optional[int] = None
+        self.kept_for_good_bytes = 0
 
     def _forget_lasting_growth(self, sampling: bool) -> None:
         """At the iteration's first forward, before it samples (`sampling`): if memory other than
@@ -61,6 +65,10 @@ class MemoryPolicy:
         move a chunk at a time. The base is taken as seen whenever the rule fires, sampling or
         not, so that one growth counts once. See [Note: lasting growth] in docs/design.md."""
         base = self._base_bytes()
+        if self._first_base is None and sampling:
+            self._first_base = base
+        if self._first_base is not None:
+            self.kept_for_good_bytes = max(0, base - self._first_base)
         grown = base - self._sampled_base if self._sampled_base is not None else 0
         fires = (self.config.forget_lasting_growth and self.peak_growth is not None
                  and grown > max(self.config.margin_bytes, self._slot()))
@@ -112,20 +120,22 @@ class MemoryPolicy:
 
     def _margin(self) -> int:
         """Bytes the budget keeps free below the peak: the configured margin, or with
-        `lasting_growth_margin` the memory kept for good since the first sample
-        (`profile_relearned_bytes`) where that is larger.
+        `lasting_growth_margin` the memory kept for good (`kept_for_good_bytes`: allocated bytes
+        other than state at this iteration's first forward, above those at the first sampled
+        one; what was freed again no longer counts) where that is larger.
 
         Why: memory that the first forward creates and keeps (Transformer Engine's FP8 weight
         copies) lies among that forward's activations, and stays there as islands once the
         activations are gone. Frees paced to the total growth then leave enough bytes free, but in
         pieces between islands and resident chunks, and an activation that fits none of them maps
         new memory: *reserved* memory grows although allocated memory stays at A0 - S + P. Freeing
-        that much earlier leaves them room they fit. Costs only copy-out waits where a free comes
-        before its chunk's copy-out is over; nothing where nothing was kept.
+        that much earlier leaves them room they fit. Costs copy-out waits where a free comes
+        before its chunk's copy-out is over, and it moves where the activations land, which can
+        itself change reserved memory a little either way; nothing where nothing was kept.
         See [Note: lasting margin] in docs/design.md."""
         if not self.config.lasting_growth_margin:
             return self.config.margin_bytes
-        return max(self.config.margin_bytes, self.profile_relearned_bytes)
+        return max(self.config.margin_bytes, self.kept_for_good_bytes)
 
     def _free_when_copied_out(self, h: int) -> None:
         """Once every chunk still COPYING_OUT has finished its copy, free them all before layer `h`

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare Transformer Engine for a GPU machine without a package index (run here, once):
 # copies a one-carry TE bundle (TE wheels with the core library pruned to sm_90, a prebuilt
-# torch extension, TE's pure-Python dependencies; ~42 MiB) into te_carry/ (git-ignored).
+# torch extension, TE's pure-Python dependencies) into te_carry/ (git-ignored).
 #   bash scripts/prepare_te.sh [BUNDLE_DIR=../shared/te-2.20.2]
 # Then carry te_carry to the GPU machine and run the suite with TE=1:
 #   TE=1 STAGES="unit functional" bash scripts/run_gpu_suite.sh
@@ -11,10 +11,11 @@ SRC=${1:-../shared/te-2.20.2}
 [ -f "$SRC/install_te.sh" ] || { echo "no TE bundle at $SRC (install_te.sh missing)" >&2; exit 1; }
 rm -rf te_carry && mkdir te_carry && cp "$SRC"/* te_carry/ && chmod -R u+w te_carry
 (cd te_carry && sha256sum -c --quiet SHA256SUMS)
-# The core wheel re-packed with LZMA (the same members, byte for byte; pip reads it): ~5 MB less,
-# so that te_carry, .whl and the tracked tree stay within one call's 64 MiB carry. Its checksum
-# line is rewritten to the re-packed file.
+# The core wheel re-packed with LZMA (the same members, byte for byte): smaller, so that te_carry,
+# .whl and the tracked tree stay within one call's 64 MiB carry. pip reads LZMA members (install_te.sh
+# installs with pip; other installers may not). Its checksum line is rewritten to the re-packed file.
 CORE=$(cd te_carry && ls transformer_engine_cu13-*.whl)
+[ "$(echo "$CORE" | wc -l)" = 1 ] || { echo "expected one transformer_engine_cu13 wheel in $SRC" >&2; exit 1; }
 python3 - "te_carry/$CORE" <<'PY'
 import copy, os, sys, zipfile
 path = sys.argv[1]

@@ -699,8 +699,8 @@ def test_memory_kept_for_good_is_kept_free_below_the_peak_too():
     run = lasting_memory_run
 
     coord, traces = run(lasting, margin)
-    kept = coord.profile_relearned_bytes
-    assert coord.profile_relearned == 1 and kept == LAYERS * lasting > 2 * margin
+    kept = coord.kept_for_good_bytes
+    assert coord.profile_relearned == 1 and kept == coord.profile_relearned_bytes == LAYERS * lasting > 2 * margin
     assert coord._margin() == kept
     wide, wide_traces = run(0, kept)  # no lasting memory, the same margin configured
     assert wide.profile_relearned == 0 and wide._margin() == kept
@@ -710,6 +710,26 @@ def test_memory_kept_for_good_is_kept_free_below_the_peak_too():
     # Earlier: at some hook less state is still resident, and at none more.
     assert all(a <= b for t, u in zip(traces, off_traces) for a, b in zip(t, u)), (traces, off_traces)
     assert traces != off_traces, traces
+
+
+def test_the_lasting_margin_follows_the_memory_still_kept():
+    """Memory kept across iterations and freed again later (a buffer that lived for a while)
+    stops counting: the margin is the memory above the first sample's base now, not the sum of
+    every growth the rule saw. Without the rule (`forget_lasting_growth` off) it is measured all
+    the same."""
+    coord, _ = lasting_memory_run(5_000)
+    kept = coord.kept_for_good_bytes
+    assert kept == LAYERS * 5_000 and coord._margin() == kept
+    reader = coord._allocated
+    # (between iterations; each line moves the memory other than state by `extra` from the line before)
+    shift = 0
+    for extra, expected in ((3 * kept, 4 * kept), (-3 * kept, kept), (-kept, LASTING_MARGIN)):
+        shift += extra
+        coord._allocated = lambda shift=shift: reader() + shift
+        coord._forget_lasting_growth(sampling=True)  # (what each iteration's first forward_begin calls)
+        assert coord._margin() == expected, (extra, coord._margin())
+    plain, _ = lasting_memory_run(5_000, forget_lasting_growth=False)
+    assert plain.profile_relearned == 0 and plain._margin() == LAYERS * 5_000
 
 
 def test_memory_kept_for_good_counts_once_where_no_forward_samples_after_it():
