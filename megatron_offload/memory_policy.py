@@ -7,8 +7,9 @@ iteration's first forward starts (state still resident) and g(t) the activation 
 (measured allocated bytes plus the state bytes freed so far). The goal is that allocated never
 exceeds A0 - S + P, P being the iteration's peak growth; with r(t) state bytes still resident
 that means r(t) + g(t) <= P. At each layer's forward pre-hook we free chunks until
-r <= P - g(next hook) - margin (`_margin`), g being the growth profile measured on earlier iterations; after
-the last hook (output layer and loss, unsampled until the forward's end) the budget is 0.
+r <= P - g(next hook) - margin (`_margin`), g being the growth profile measured on earlier
+iterations; after the last hook (output layer and loss, unsampled until the forward's end) the
+budget is 0.
 Unknown P (first offloaded iteration) makes the budget 0: free everything at the first hook;
 so does an empty profile (learned again after memory kept for good: `_forget_lasting_growth`)
 and a copy-out already finished there (nothing left to pace: `_free_when_copied_out`).
@@ -63,7 +64,8 @@ class MemoryPolicy:
         chunks, freed there, come back only at the end of the backward (their reload position is
         the first layer). Growth below one chunk slot (or the margin) is left alone: the frees
         move a chunk at a time. The base is taken as seen whenever the rule fires, sampling or
-        not, so that one growth counts once. See [Note: lasting growth] in docs/design.md."""
+        not, so that one growth counts once. It also updates `kept_for_good_bytes` (`_margin`).
+        See [Note: lasting growth] in docs/design.md."""
         base = self._base_bytes()
         if self._first_base is None and sampling:
             self._first_base = base
