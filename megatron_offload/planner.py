@@ -31,13 +31,20 @@ budget), and each stepped chunk streams out at once, during the rest of the step
 sharing `both_gbps`: what left during one step is already off the GPU when the next iteration
 starts (steady state: the iteration is simulated again from what the first pass sent out).
 
+The step's own work before the inner optimizer's (the gradient norm and clipping; the recorder's
+"adam_begin" mark, where the marks have it) is a "step_prep" segment. Adam needs the clipped
+gradients, so nothing is stepped before that work ends: the reload goes on during it, alone, and
+the streamed step's copy-out starts only after it. Marks without "adam_begin" make the whole step
+one segment, as before; the streamed step's copy-out is then modelled from the step's start, which
+no schedule reaches (the floor is low by what the link could have copied out during that work).
+
 The host's lead: a phase whose baseline duration `ms` is longer than the GPU's own time for it
 (`busy_ms`, measured with the GPU made to lag behind the host; None: the same) was bounded by the
 host launching its kernels, not by the GPU. While compute waits for a copy, the host keeps
 launching, so afterwards the GPU runs such phases at its own speed until it has caught up with
 the host: part of every wait is absorbed. The simulation keeps `behind`, how far the GPU lags the
 host's launches (in the baseline's time); the host launches at the baseline's pace and waits only
-at the start of the optimizer step, whose host sync (the gradient norm's `.item()`) ends the lead
+at the start of the optimizer step (its first segment), whose host sync (the gradient norm's `.item()`) ends the lead
 built before it; while the step then waits for the reload, the host launches the rest of it. The
 chunked step is bound by its own streams or its baseline time (its lead from earlier phases ended
 at that sync). Without `busy_ms` nothing changes: every phase is as long as in the baseline. A wait
@@ -64,7 +71,7 @@ HOST_BOUND_SHARE = 0.9
 
 @dataclasses.dataclass
 class Segment:
-    kind: str  # "forward", "backward", "gap" or "step"
+    kind: str  # "forward", "backward", "gap", "step_prep" (module doc) or "step"
     ms: float
     growth_start: float  # bytes above the iteration's base when the segment starts
     growth_end: float
@@ -157,7 +164,7 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
         done = 0.0  # baseline milliseconds of this segment completed
         rate = (seg.growth_end - seg.growth_start) / seg.ms if seg.ms else 0.0
         speed = seg.speed
-        if seg.kind == "step":
+        if seg.kind == "step_prep" or (seg.kind == "step" and not _after_prep(profile.segments, index)):
             behind = 0.0  # (the step's host sync: module doc)
         if seg.kind == "step" and chunked:
             # The rest comes in during the step while stepped pieces go out: both at once.
@@ -229,6 +236,11 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
     return Prediction(x, t, profile.iteration_ms, stall_out, stall_in, feasible,
                       sent if sent_before is not None else 0.0,
                       [end - start for start, end in zip(starts, starts[1:] + [t])])
+
+
+def _after_prep(segments: List[Segment], index: int) -> bool:
+    """Whether the segment at `index` follows its step's "step_prep" (module doc)."""
+    return index > 0 and segments[index - 1].kind == "step_prep"
 
 
 # The slowdown the planner still calls "free" (`free_bytes`).
@@ -307,7 +319,9 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
 
     marks: (label, t_ms, allocated_bytes) in time order, t_ms from CUDA events on the compute
     stream. Labels: "iter_begin", "fwd_begin"/"fwd_end", "bwd_begin"/"bwd_end",
-    "step_begin"/"step_end". Growth is allocated memory above the allocation at "iter_begin";
+    "step_begin"/"step_end", optionally "adam_begin" between the last two (the inner optimizer's
+    step begins: the segment before it is "step_prep", module doc). Growth is allocated memory
+    above the allocation at "iter_begin";
     the step's growth is `step_peak_growth` (its temporaries, from the allocator's peak). Time
     between the marked phases becomes "gap" segments at the growth they start from.
     busy_marks: the same labels from an iteration whose GPU was made to lag the host first (the
@@ -332,6 +346,11 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
                 segments.append(Segment("step", duration, step_peak_growth, step_peak_growth, busy[k]))
             else:
                 segments.append(Segment(kinds[phase], duration, alloc - base, next_alloc - base, busy[k]))
+        elif label == "step_begin" and next_label == "adam_begin":
+            # (at the gradients' level: the norm's temporaries are small beside the step's)
+            segments.append(Segment("step_prep", duration, alloc - base, alloc - base, busy[k]))
+        elif label == "adam_begin" and next_label == "step_end":
+            segments.append(Segment("step", duration, step_peak_growth, step_peak_growth, busy[k]))
         elif duration > 0:
             segments.append(Segment("gap", duration, alloc - base, alloc - base, busy[k]))
     return Profile(segments, state_bytes, d2h_gbps, h2d_gbps, both_gbps)

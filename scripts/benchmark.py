@@ -648,12 +648,13 @@ def phase_totals(segments, durations=None) -> dict:
     kinds = [g.kind for g in segments]
     first_forward = kinds.index("forward") if "forward" in kinds else len(kinds)
     last_backward = len(kinds) - 1 - kinds[::-1].index("backward") if "backward" in kinds else -1
-    step = next((k for k in range(last_backward + 1, len(kinds)) if kinds[k] == "step"), len(kinds))
+    step_kinds = ("step_prep", "step")  # (the step's work before Adam counts as the step's)
+    step = next((k for k in range(last_backward + 1, len(kinds)) if kinds[k] in step_kinds), len(kinds))
     totals = dict.fromkeys(PHASE_GROUPS, 0.0)
     for k, (kind, ms) in enumerate(zip(kinds, durations)):
         group = ("before the forwards" if k < first_forward else "first forward" if k == first_forward
                  else "last backward" if k == last_backward else "before the step" if 0 <= last_backward < k < step
-                 else "step" if kind == "step" else "rest")
+                 else "step" if kind in step_kinds else "rest")
         totals[group] += ms
     return totals
 
@@ -756,9 +757,8 @@ def replay_calibration(cal, base_marks, gbps, both_gbps):
         segments = profile(marks).segments
         forwards = [g.ms for g in segments if g.kind == "forward"]
         backwards = [g.ms for g in segments if g.kind == "backward"]
-        step = [g.ms for g in segments if g.kind == "step"]
-        return (forwards[:1] or [0.0])[0], statistics.mean(forwards[1:] or [0.0]), (backwards[-1:] or [0.0])[0], \
-            (step or [0.0])[0]
+        step = sum(g.ms for g in segments if g.kind in ("step_prep", "step"))  # (one step per iteration)
+        return (forwards[:1] or [0.0])[0], statistics.mean(forwards[1:] or [0.0]), (backwards[-1:] or [0.0])[0], step
 
     names = ("first forward", "later forwards", "last backward", "step")
     both = ", ".join(f"{n} {a:.1f} / {b:.1f}" for n, a, b in zip(names, summary(cal["marks"]), summary(base_marks)))

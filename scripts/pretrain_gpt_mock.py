@@ -624,6 +624,7 @@ class Recorder:
                     return out
 
                 optimizer.step = marked_step
+                inner_unmark = self._mark_first_inner_step(optimizer)
             profiler = None
             if iteration in profile_iters and torch.distributed.get_rank() == 0:
                 profiler = torch.profiler.profile(
@@ -652,6 +653,7 @@ class Recorder:
             peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
             if timeline:
                 optimizer.step = step
+                inner_unmark()
                 peaks = tuple(max(x, y) for x, y in zip(peaks, self._pre_step_peak))
                 first, base = self._marks[0][1], self._marks[0][2]
                 (self.busy_timelines if busy else self.timelines).append({
@@ -808,6 +810,36 @@ class Recorder:
             actions=np.array(actions),
             segments=np.array(json.dumps(segments)),
         )
+
+    def _mark_first_inner_step(self, optimizer):
+        """Mark "adam_begin" when the first inner optimizer's step is called (after Megatron's
+        gradient norm and clipping: the planner's "step_prep" ends there). Wraps each inner
+        optimizer's `step` as an instance attribute, which runs before the step's pre-hooks (so
+        before megatron-offload's wait for its reload) and around an installed piecewise step.
+        Returns what undoes it; a wrapper something else replaced meanwhile is left alone."""
+        marked, wrapped = [False], []
+        for dist_opt in distributed_optimizers(optimizer):
+            inner = dist_opt.optimizer
+            own = inner.__dict__.get("step")  # (None: the class's step)
+            call = own if own is not None else inner.step
+
+            def first_marked(*a, _call=call, **k):
+                if not marked[0]:
+                    marked[0] = True
+                    self.mark("adam_begin")
+                return _call(*a, **k)
+
+            inner.step = first_marked
+            wrapped.append((inner, own, first_marked))
+
+        def undo():
+            for inner, own, wrapper in wrapped:
+                if inner.__dict__.get("step") is wrapper:
+                    if own is None:
+                        del inner.step
+                    else:
+                        inner.step = own
+        return undo
 
     def mark(self, label):
         if self._marks is not None:

@@ -382,3 +382,57 @@ def test_the_per_iteration_host_times_come_from_a_loaded_plugin_and_never_load_i
     for key in ("hook_ms", *benchmark.PER_ITERATION_HOST_MS):
         assert f'"{key}": _plugin_' in source, key
     assert '"record": len(self.iterations)' in source
+
+
+def test_the_recorder_marks_the_first_inner_step_of_an_iteration_once_and_undoes_it(tmp_path):
+    """The planner's "step_prep" ends where the first inner optimizer's step is called: the
+    recorder marks "adam_begin" there once per marked iteration (a chained optimizer steps several
+    inner ones), through an instance `step` that runs before the step's pre-hooks (megatron-offload
+    waits for its reload in one) and around one already installed (the piecewise step); undone
+    after, except where something else replaced the wrapper meanwhile."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import pretrain_gpt_mock
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    calls = []
+
+    class Inner(torch.optim.SGD):
+        def step(self, closure=None):
+            calls.append(("class", id(self)))
+
+    def distributed(inner):
+        dist_opt = object.__new__(DistributedOptimizer)
+        dist_opt.__dict__.update(optimizer=inner, is_stub_optimizer=False)
+        return dist_opt
+
+    class Chained:
+        def __init__(self, *subs):
+            self.chained_optimizers = list(subs)
+
+    plain, installed = (Inner([torch.nn.Parameter(torch.zeros(1))], lr=0.1) for _ in range(2))
+    marks = []
+    plain.register_step_pre_hook(lambda *a: marks.append("pre-hook"))
+
+    def piecewise():
+        calls.append(("installed", id(installed)))
+
+    installed.step = piecewise
+    recorder = pretrain_gpt_mock.Recorder(str(tmp_path))
+    recorder.mark = marks.append
+    undo = recorder._mark_first_inner_step(Chained(distributed(plain), distributed(installed)))
+    plain.step()
+    installed.step()
+    plain.step()
+    assert marks == ["adam_begin", "pre-hook", "pre-hook"]  # (once, and before the step's pre-hooks)
+    assert calls == [("class", id(plain)), ("installed", id(installed)), ("class", id(plain))]
+    undo()
+    assert "step" not in plain.__dict__ and installed.step is piecewise
+    # A wrapper replaced meanwhile (the piecewise step restores its own) stays replaced.
+    undo = recorder._mark_first_inner_step(Chained(distributed(installed)))
+
+    def other():
+        pass
+
+    installed.step = other
+    undo()
+    assert installed.step is other

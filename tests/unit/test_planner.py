@@ -96,6 +96,70 @@ def test_profile_from_timeline_marks():
     assert predict(prof, 0).ratio == pytest.approx(1.0)
 
 
+def test_profile_from_timeline_splits_the_steps_work_before_adam():
+    """With the recorder's "adam_begin" mark the step is two segments: the work before Adam
+    (gradient norm, clipping) at the gradients' level, then Adam with the step's growth."""
+    g = GiB
+    marks = [("iter_begin", 0, 10 * g), ("fwd_begin", 1, 10 * g), ("fwd_end", 61, 32 * g),
+             ("bwd_begin", 61, 32 * g), ("bwd_end", 161, 11 * g), ("step_begin", 174, 11 * g),
+             ("adam_begin", 184, 11 * g), ("step_end", 202, 10 * g)]
+    prof = planner.profile_from_timeline(marks, state_bytes=6.8 * g, step_peak_growth=2.4 * g)
+    assert [(s.kind, s.ms) for s in prof.segments] == [
+        ("gap", 1), ("forward", 60), ("backward", 100), ("gap", 13), ("step_prep", 10), ("step", 18)]
+    assert (prof.segments[4].growth_start, prof.segments[4].growth_end) == (1 * g, 1 * g)
+    assert (prof.segments[5].growth_start, prof.segments[5].growth_end) == (2.4 * g, 2.4 * g)
+    assert prof.max_unchunked_bytes == pytest.approx(6.8 * g)
+    assert predict(prof, 0).ratio == pytest.approx(1.0)
+    assert predict(prof, 0, streamed=True).ratio == pytest.approx(1.0)
+
+
+def _prep_profile(prep_ms):
+    # 1 GiB/ms each way alone, 1.5 GiB/ms both at once (0.75 each); 8 GiB of state. The forward
+    # grows faster than the copy-out (its first 2 GiB fit); the backward releases 10 GiB in 4 ms,
+    # so the reload (1 GiB/ms) has 4 of 8 GiB back when it ends. A 6 ms step, its first
+    # `prep_ms` the work before Adam (0: one step segment, as marks without "adam_begin" give).
+    gbps = GiB / 1e6
+    step = [Segment("step_prep", prep_ms, 0, 0)] if prep_ms else []
+    segs = [Segment("forward", 4, 0, 10 * GiB), Segment("backward", 4, 10 * GiB, 0)] + step + [
+        Segment("step", 6 - prep_ms, 0, 0)]
+    return Profile(segs, 8 * GiB, gbps, gbps, 1.5 * gbps)
+
+
+def test_the_streamed_steps_copy_out_waits_for_the_work_before_adam():
+    """Nothing is stepped before the gradients are clipped: the streamed step sends out only
+    during Adam (0.75 GiB/ms shared: 3 GiB in 4 ms, not 4.5 in 6), so the next first forward has
+    more left to copy out and the floor is higher; the reload goes on alone during that work."""
+    split, one = predict(_prep_profile(2), 8 * GiB, dt_ms=0.01, streamed=True), \
+        predict(_prep_profile(0), 8 * GiB, dt_ms=0.01, streamed=True)
+    assert split.sent_in_step == pytest.approx(3 * GiB, rel=1e-3)
+    assert one.sent_in_step == pytest.approx(4.5 * GiB, rel=1e-3)
+    assert split.stall_out_ms > one.stall_out_ms and split.iteration_ms > one.iteration_ms
+    # The work before Adam takes its own 2 ms (6 of 8 GiB back by its end, alone at 1 GiB/ms); Adam's
+    # 4 ms hold the last 2 GiB at the shared rate (2.7 ms).
+    assert split.segment_ms[2:] == pytest.approx([2, 4], abs=0.02)
+    # The whole step: its Adam waits only for what did not come back during the work before it
+    # (4 GiB after the backward; 2 of them during the 2 ms, alone at 1 GiB/ms).
+    whole_split, whole_one = predict(_prep_profile(2), 8 * GiB, dt_ms=0.01), predict(_prep_profile(0), 8 * GiB,
+                                                                                       dt_ms=0.01)
+    assert whole_one.stall_in_ms == pytest.approx(4, abs=0.05)
+    assert whole_split.stall_in_ms == pytest.approx(2, abs=0.05)
+
+
+def test_the_lead_ends_where_the_step_begins_with_its_work_before_adam():
+    """The host's lead (built while the first forward waits for the copy-out) ends at the step's
+    first segment, its host sync: the work before Adam, where the marks have it, then takes its
+    whole baseline time even where it was launch-bound, as a step segment would."""
+    gbps = GiB / 1e6
+
+    def floor(prep_busy):
+        segs = [Segment("forward", 4, 0, 10 * GiB, 1.0), Segment("backward", 10, 10 * GiB, 0),
+                Segment("step_prep", 2, 0, 0, prep_busy), Segment("step", 3, 0, 0)]
+        return predict(Profile(segs, 8 * GiB, gbps, gbps, 2 * gbps), 8 * GiB, dt_ms=0.01)
+
+    assert floor(None).stall_out_ms > 0  # (the forward waits: the lead that would be absorbed)
+    assert floor(0.5).iteration_ms == pytest.approx(floor(None).iteration_ms, abs=0.02)
+
+
 def test_chunked_step_floor_for_r2():
     """R2: an unchunked step saves nothing; a chunked one holding 1.5 GiB (3 chunks) can take the
     whole state off, at the cost of streaming what the backward could not reload through the
@@ -446,6 +510,9 @@ def test_simulated_segments_add_up_and_phase_totals_group_them():
     assert benchmark.phase_totals(tail)["rest"] == 38 and benchmark.phase_totals(tail)["before the step"] == 3
     between = segs[:3] + [Segment("gap", 4, 0, 0)] + segs[3:]
     assert benchmark.phase_totals(between)["rest"] == 35 and benchmark.phase_totals(between)["before the step"] == 3
+    # The step's work before Adam (the recorder's "adam_begin") is the step's, not the gap's before it.
+    prep = segs[:-1] + [Segment("step_prep", 2, 0, 0), Segment("step", 3, 0, 0)]
+    assert benchmark.phase_totals(prep)["step"] == 5 and benchmark.phase_totals(prep)["before the step"] == 3
     no_backward = [Segment("forward", 10, 0, 1), Segment("gap", 4, 0, 0), Segment("step", 5, 0, 0)]
     assert benchmark.phase_totals(no_backward)["rest"] == 4 and benchmark.phase_totals(no_backward)["before the step"] == 0
 
