@@ -44,8 +44,9 @@ host launching its kernels, not by the GPU. While compute waits for a copy, the 
 launching, so afterwards the GPU runs such phases at its own speed until it has caught up with
 the host: part of every wait is absorbed. The simulation keeps `behind`, how far the GPU lags the
 host's launches (in the baseline's time); the host launches at the baseline's pace and waits only
-at the start of the optimizer step (its first segment), whose host sync (the gradient norm's `.item()`) ends the lead
-built before it; while the step then waits for the reload, the host launches the rest of it. The
+at the start of the optimizer step (its first segment), whose host sync (the gradient norm's
+`.item()`) ends the lead built before it; while the step then waits for the reload, the host
+launches the rest of it. The
 chunked step is bound by its own streams or its baseline time (its lead from earlier phases ended
 at that sync). Without `busy_ms` nothing changes: every phase is as long as in the baseline. A wait
 the lead absorbs still counts in `stall_out_ms` / `stall_in_ms`: with busy times the stalls can
@@ -164,8 +165,10 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
         done = 0.0  # baseline milliseconds of this segment completed
         rate = (seg.growth_end - seg.growth_start) / seg.ms if seg.ms else 0.0
         speed = seg.speed
-        if seg.kind == "step_prep" or (seg.kind == "step" and not _after_prep(profile.segments, index)):
-            behind = 0.0  # (the step's host sync: module doc)
+        if seg.kind in ("step_prep", "step"):
+            # (the step's host sync: module doc; after a step_prep the lead is 0 already: that
+            # segment grows nothing, so it never waits and builds none)
+            behind = 0.0
         if seg.kind == "step" and chunked:
             # The rest comes in during the step while stepped pieces go out: both at once.
             shared = min(profile.h2d_gbps, profile.d2h_gbps, profile.both_gbps / 2)
@@ -236,11 +239,6 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
     return Prediction(x, t, profile.iteration_ms, stall_out, stall_in, feasible,
                       sent if sent_before is not None else 0.0,
                       [end - start for start, end in zip(starts, starts[1:] + [t])])
-
-
-def _after_prep(segments: List[Segment], index: int) -> bool:
-    """Whether the segment at `index` follows its step's "step_prep" (module doc)."""
-    return index > 0 and segments[index - 1].kind == "step_prep"
 
 
 # The slowdown the planner still calls "free" (`free_bytes`).
@@ -361,12 +359,14 @@ def median_marks(timelines):
     takes): each phase's duration and each boundary's allocated bytes are the median over the
     iterations. A single marked iteration is one sample of a noisy host (the same phase can take
     noticeably longer in one call than in another; see [Note: phase medians] in docs/design.md);
-    the median keeps one slow phase from moving the floor. Iterations whose phase labels differ
-    from the first one's are left out."""
+    the median keeps one slow phase from moving the floor. Only the iterations with the most common
+    phase labels count (the first such where several are as common): e.g. a skipped step (inf/nan
+    gradients) calls no inner optimizer, so its marks lack "adam_begin"; the others stay."""
     timelines = [list(t) for t in timelines if t]
     if not timelines:
         return []
-    labels = [m[0] for m in timelines[0]]
+    sequences = [tuple(m[0] for m in t) for t in timelines]
+    labels = list(max(sequences, key=sequences.count))  # (max: the first of the most common)
     same = [t for t in timelines if [m[0] for m in t] == labels]
     if len(same) == 1:
         return same[0]

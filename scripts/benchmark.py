@@ -592,8 +592,12 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         # The same as ratios (the measured one over the timed baseline's median, the floor over the
         # baseline's marked phases): the two forms part where those two baseline figures do.
         as_ratios = rows[name]["measured_ratio_over_engine_floor"] = r["ratio"] / engine.ratio if engine.ratio else None
+        prep = sum(g.ms for g in prof.segments if g.kind == "step_prep")
+        rows[name]["step_prep_ms"] = prep if any(g.kind == "step_prep" for g in prof.segments) else None
+        prep_text = (f"the step's work before Adam {prep:.1f} ms" if rows[name]["step_prep_ms"] is not None
+                     else "the step's work before Adam not marked: copy-out modelled from the step's start")
         print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
-              f"out during the step)" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
+              f"out during the step; {prep_text})" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
                                          f"{streamed.iteration_ms:.0f} ms" if vs_streamed else ""))
         if fed:  # (the streamed step, held to rank 0's budget where that is below the state)
             which = ("the streamed step" if budget >= state

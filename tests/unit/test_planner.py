@@ -204,6 +204,16 @@ def test_median_marks_keep_one_slow_phase_from_moving_the_floor():
     # One timeline, or timelines of other phases, are left as they are.
     assert planner.median_marks([slow]) == slow
     assert planner.median_marks([clean, clean[:-2]]) == clean
+    # A skipped step first (its marks lack "adam_begin": no inner optimizer ran): the most common
+    # phases, the two iterations with the mark, still count.
+    def with_adam(marks, after):
+        k = [m[0] for m in marks].index("step_begin")
+        return marks[:k + 1] + [("adam_begin", marks[k][1] + after, 0)] + marks[k + 1:]
+
+    merged = planner.median_marks([clean, with_adam(clean, 10.0), with_adam(other, 12.0)])
+    labels = [m[0] for m in merged]
+    assert labels == [m[0] for m in with_adam(clean, 0)]
+    assert merged[labels.index("adam_begin")][1] - merged[labels.index("step_begin")][1] == pytest.approx(11.0)
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '{"state_gib": 1}'])
@@ -547,6 +557,7 @@ def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
     assert row["phase_excess_ms"] == pytest.approx(expected, abs=0.2)
     out = capsys.readouterr().out
     assert "before the forwards -5.0, first forward +20.0, rest " in out and "step +30.0; in all +45.0" in out
+    assert "the step's work before Adam not marked" in out and row["step_prep_ms"] is None
     # The same against the streamed step's floor (a run whose copy-out was fed from the step on).
     fed = dict(offload, feeder_enqueued_pieces=[5], step_budget_gib=[1.0])
     row = benchmark.compare_with_planner({"baseline": base, "offload": fed}, 55.0)["offload"]
@@ -556,6 +567,19 @@ def test_the_benchmark_splits_a_runs_excess_over_its_floor_by_phase(capsys):
     late = run(100, 60, loop=5, gap=24, offloaded_gib=[2**-10])
     row = benchmark.compare_with_planner({"baseline": base, "offload": late}, 55.0)["offload"]
     assert row["phase_excess_ms"] == pytest.approx(dict(expected, **{"before the step": 20}), abs=0.2)
+    # With the recorder's "adam_begin" (here 10 ms into the baseline's step) the floor has the step's
+    # work before Adam, and the line says how long it was.
+    def marked(run_):
+        timeline = dict(run_["timeline"])
+        k = [m[0] for m in timeline["marks"]].index("step_begin")
+        timeline["marks"] = timeline["marks"][:k + 1] + [("adam_begin", timeline["marks"][k][1] + 10.0, 0)] + \
+            timeline["marks"][k + 1:]
+        return dict(run_, timeline=timeline, timelines=[timeline])
+
+    row = benchmark.compare_with_planner({"baseline": marked(base), "offload": marked(offload)}, 55.0)["offload"]
+    assert row["step_prep_ms"] == pytest.approx(10.0)
+    assert "the step's work before Adam 10.0 ms" in capsys.readouterr().out
+    assert row["phase_excess_ms"] == pytest.approx(expected, abs=0.2)  # (the step's groups as before)
     # Without the variant's marks (older records) nothing is split.
     del offload["timelines"]
     assert "phase_excess_ms" not in benchmark.compare_with_planner({"baseline": base, "offload": offload}, 55.0)["offload"]
