@@ -436,3 +436,66 @@ def test_the_recorder_marks_the_first_inner_step_of_an_iteration_once_and_undoes
     installed.step = other
     undo()
     assert installed.step is other
+
+
+def test_a_marked_iteration_has_adam_begin_between_the_steps_marks(tmp_path, monkeypatch):
+    """The recorder's train_step, as installed, on a marked iteration (MEGATRON_OFFLOAD_TIMELINE_AT):
+    its timeline reads iter_begin, step_begin, adam_begin, step_end (the planner's step_prep ends at
+    the inner optimizer's step), and the inner optimizer has its own step back after it. The CUDA
+    surface the recorder reads is faked: events count their records."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.training.training as training
+    import pretrain_gpt_mock
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    clock = [0.0]
+
+    class Event:
+        def __init__(self, **_):
+            self.t = None
+
+        def record(self):
+            clock[0] += 1.0
+            self.t = clock[0]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    for name, value in (("Event", Event), ("memory_allocated", lambda: 0), ("max_memory_allocated", lambda: 0),
+                        ("max_memory_reserved", lambda: 0), ("reset_peak_memory_stats", lambda: None),
+                        ("memory_stats", lambda: {}), ("current_stream", Stream), ("synchronize", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    for module, name in ((training, "train"), (training, "save_checkpoint"), (schedules, "forward_step"),
+                         (schedules, "backward_step")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # (restored after the test)
+    monkeypatch.setenv("MEGATRON_OFFLOAD_TIMELINE_AT", "3")
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    dist_opt = object.__new__(DistributedOptimizer)
+    dist_opt.__dict__.update(optimizer=inner, is_stub_optimizer=False)
+
+    class Chained:
+        chained_optimizers = [dist_opt]
+
+        def step(self):
+            inner.step()
+
+    def train_step(*a, **k):
+        a[3].step()
+        return {"lm loss": torch.tensor(1.0)}, 0, None
+
+    monkeypatch.setattr(training, "train_step", train_step)
+    recorder = pretrain_gpt_mock.Recorder(str(tmp_path))
+    recorder.install()
+    chained = Chained()
+    for iteration in (2, 3):
+        training.train_step(None, None, None, chained, iteration=iteration)
+    assert len(recorder.timelines) == 1 and recorder.timelines[0]["iteration"] == 3
+    assert [m[0] for m in recorder.timelines[0]["marks"]] == ["iter_begin", "step_begin", "adam_begin", "step_end"]
+    assert "step" not in inner.__dict__  # (the inner optimizer's own step back; the outer one's is its bound method)
+    training.train_step(None, None, None, chained, iteration=4)  # (not marked: nothing recorded)
+    assert len(recorder.timelines) == 1 and recorder._marks is None
