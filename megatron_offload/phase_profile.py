@@ -15,6 +15,8 @@ GiB = 2**30
 # A phase is taken as launch-bound (its busy_ms used) only where the GPU needed less than this share
 # of its baseline duration: single iterations of one phase differ by up to ~6 % on a noisy host.
 HOST_BOUND_SHARE = 0.9
+# The segments of an optimizer step: the work before the inner optimizer's, where marked, then the step.
+STEP_KINDS = ("step_prep", "step")
 
 
 @dataclasses.dataclass
@@ -121,15 +123,15 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
     marks: (label, t_ms, allocated_bytes) in time order, t_ms from CUDA events on the compute
     stream. Labels: "iter_begin", "fwd_begin"/"fwd_end", "bwd_begin"/"bwd_end",
     "step_begin"/"step_end", optionally "adam_begin" between the last two (the inner optimizer's
-    step begins: the segment before it is "step_prep", planner.py's module doc). Growth is allocated memory
-    above the allocation at "iter_begin";
-    the step's growth is `step_peak_growth` (its temporaries, from the allocator's peak). Time
-    between the marked phases becomes "gap" segments at the growth they start from.
+    step begins: the segment before it is "step_prep", planner.py's module doc). Growth is
+    allocated memory above the allocation at "iter_begin"; the step's growth is
+    `step_peak_growth` (its temporaries, from the allocator's peak). Time between the marked
+    phases becomes "gap" segments at the growth they start from.
     busy_marks: the same labels from an iteration whose GPU was made to lag the host first (the
-    recorder's MEGATRON_OFFLOAD_BUSY_AT): their durations are the phases' `busy_ms` (planner.py's module doc)
-    where below HOST_BOUND_SHARE of the phase's own; ignored unless the labels match.
+    recorder's MEGATRON_OFFLOAD_BUSY_AT): their durations are the phases' `busy_ms` (planner.py's
+    module doc) where below HOST_BOUND_SHARE of the phase's own; ignored unless the labels match.
     """
-    kinds = {"fwd": "forward", "bwd": "backward", "step": "step"}
+    kinds = {"fwd": "forward", "bwd": "backward"}
     base = marks[0][2]
     busy = [None] * len(marks)
     if busy_marks and [m[0] for m in busy_marks] == [m[0] for m in marks]:
@@ -143,15 +145,12 @@ def profile_from_timeline(marks, state_bytes: float, step_peak_growth: float = 0
         duration = max(0.0, next_t - t)
         phase = label.rsplit("_", 1)[0]
         if label.endswith("_begin") and phase in kinds and next_label == f"{phase}_end":
-            if phase == "step":
-                segments.append(Segment("step", duration, step_peak_growth, step_peak_growth, busy[k]))
-            else:
-                segments.append(Segment(kinds[phase], duration, alloc - base, next_alloc - base, busy[k]))
+            segments.append(Segment(kinds[phase], duration, alloc - base, next_alloc - base, busy[k]))
+        elif label in ("step_begin", "adam_begin") and next_label == "step_end":
+            segments.append(Segment("step", duration, step_peak_growth, step_peak_growth, busy[k]))
         elif label == "step_begin" and next_label == "adam_begin":
             # (at the gradients' level: the norm's temporaries are small beside the step's)
             segments.append(Segment("step_prep", duration, alloc - base, alloc - base, busy[k]))
-        elif label == "adam_begin" and next_label == "step_end":
-            segments.append(Segment("step", duration, step_peak_growth, step_peak_growth, busy[k]))
         elif duration > 0:
             segments.append(Segment("gap", duration, alloc - base, alloc - base, busy[k]))
     return Profile(segments, state_bytes, d2h_gbps, h2d_gbps, both_gbps)
@@ -182,9 +181,9 @@ def median_marks(timelines):
 
 
 def load_profile(path: str) -> Profile:
-    """JSON: {"state_gib": .., "d2h_gbps": .., "h2d_gbps": .., "both_gbps": ..,
-    "segments": [{"kind": "forward", "ms": 60, "growth_start_gib": 0, "growth_end_gib": 22.7}, ...]}; optional per segment:
-    "busy_ms", the GPU's own time for a launch-bound phase (planner.py's module doc)"""
+    """JSON: {"state_gib": .., "d2h_gbps": .., "h2d_gbps": .., "both_gbps": .., "segments":
+    [{"kind": "forward", "ms": 60, "growth_start_gib": 0, "growth_end_gib": 22.7}, ...]}; optional
+    per segment: "busy_ms", the GPU's own time for a launch-bound phase (planner.py's module doc)"""
     with open(path) as f:
         raw = json.load(f)
     segs = [Segment(s["kind"], float(s["ms"]), s["growth_start_gib"] * GiB, s["growth_end_gib"] * GiB,

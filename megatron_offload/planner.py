@@ -46,11 +46,10 @@ the host: part of every wait is absorbed. The simulation keeps `behind`, how far
 host's launches (in the baseline's time); the host launches at the baseline's pace and waits only
 at the start of the optimizer step (its first segment), whose host sync (the gradient norm's
 `.item()`) ends the lead built before it; while the step then waits for the reload, the host
-launches the rest of it. The
-chunked step is bound by its own streams or its baseline time (its lead from earlier phases ended
-at that sync). Without `busy_ms` nothing changes: every phase is as long as in the baseline. A wait
-the lead absorbs still counts in `stall_out_ms` / `stall_in_ms`: with busy times the stalls can
-exceed the slowdown.
+launches the rest of it. The chunked step is bound by its own streams or its baseline time (its
+lead from earlier phases ended at that sync). Without `busy_ms` nothing changes: every phase is
+as long as in the baseline. A wait the lead absorbs still counts in `stall_out_ms` /
+`stall_in_ms`: with busy times the stalls can exceed the slowdown.
 
 The predicted iteration time is the simulated length of that timeline: the least time any
 schedule can achieve under these rules (a real schedule adds its own overheads on top).
@@ -63,9 +62,11 @@ import dataclasses
 from typing import List, Optional
 
 # The planner's inputs, also reachable from here (planner.Segment, planner.profile_from_timeline, ...).
-from .phase_profile import GiB, PRESETS, Profile, Segment, load_profile, median_marks, profile_from_timeline
+from .phase_profile import (GiB, PRESETS, STEP_KINDS, Profile, Segment, load_profile, median_marks,
+                            profile_from_timeline)
 
-__all__ = ["GiB", "PRESETS", "Profile", "Segment", "load_profile", "median_marks", "profile_from_timeline",
+__all__ = ["GiB", "PRESETS", "STEP_KINDS", "Profile", "Segment", "load_profile", "median_marks",
+           "profile_from_timeline",
            "Prediction", "predict", "FREE_COST", "free_bytes", "suggested_fraction", "report", "main"]
 
 
@@ -121,7 +122,7 @@ def _simulate(profile: Profile, offloaded_bytes: float, dt_ms: float, step_budge
         done = 0.0  # baseline milliseconds of this segment completed
         rate = (seg.growth_end - seg.growth_start) / seg.ms if seg.ms else 0.0
         speed = seg.speed
-        if seg.kind in ("step_prep", "step"):
+        if seg.kind in STEP_KINDS:
             # (the step's host sync: module doc; after a step_prep the lead is 0 already: that
             # segment grows nothing, so it never waits and builds none)
             behind = 0.0

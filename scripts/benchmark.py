@@ -592,9 +592,8 @@ def compare_with_planner(results, gbps, both_gbps=None, alone=None):
         # The same as ratios (the measured one over the timed baseline's median, the floor over the
         # baseline's marked phases): the two forms part where those two baseline figures do.
         as_ratios = rows[name]["measured_ratio_over_engine_floor"] = r["ratio"] / engine.ratio if engine.ratio else None
-        prep = sum(g.ms for g in prof.segments if g.kind == "step_prep")
-        rows[name]["step_prep_ms"] = prep if any(g.kind == "step_prep" for g in prof.segments) else None
-        prep_text = (f"the step's work before Adam {prep:.1f} ms" if rows[name]["step_prep_ms"] is not None
+        prep = rows[name]["step_prep_ms"] = next((g.ms for g in prof.segments if g.kind == "step_prep"), None)
+        prep_text = (f"the step's work before Adam {prep:.1f} ms" if prep is not None
                      else "the step's work before Adam not marked: copy-out modelled from the step's start")
         print(f"planner {name}: streamed-step floor {streamed.ratio:.3f}x ({streamed.sent_in_step / planner.GiB:.2f} GiB "
               f"out during the step; {prep_text})" + (f"; measured {vs_streamed - 1:+.1%} of its modelled "
@@ -648,17 +647,19 @@ def phase_totals(segments, durations=None) -> dict:
     (every phase and gap between the first forward and the last backward, and the gaps after the
     step), from `durations` (e.g. a prediction's `segment_ms`) or the segments' own `ms`. A run's
     measured phases against the simulated ones say where its excess over the floor lies."""
+    from megatron_offload import planner
+
     durations = [g.ms for g in segments] if durations is None else durations
     kinds = [g.kind for g in segments]
     first_forward = kinds.index("forward") if "forward" in kinds else len(kinds)
     last_backward = len(kinds) - 1 - kinds[::-1].index("backward") if "backward" in kinds else -1
-    step_kinds = ("step_prep", "step")  # (the step's work before Adam counts as the step's)
-    step = next((k for k in range(last_backward + 1, len(kinds)) if kinds[k] in step_kinds), len(kinds))
+    # (the step's work before Adam counts as the step's)
+    step = next((k for k in range(last_backward + 1, len(kinds)) if kinds[k] in planner.STEP_KINDS), len(kinds))
     totals = dict.fromkeys(PHASE_GROUPS, 0.0)
     for k, (kind, ms) in enumerate(zip(kinds, durations)):
         group = ("before the forwards" if k < first_forward else "first forward" if k == first_forward
                  else "last backward" if k == last_backward else "before the step" if 0 <= last_backward < k < step
-                 else "step" if kind in step_kinds else "rest")
+                 else "step" if kind in planner.STEP_KINDS else "rest")
         totals[group] += ms
     return totals
 
@@ -761,7 +762,7 @@ def replay_calibration(cal, base_marks, gbps, both_gbps):
         segments = profile(marks).segments
         forwards = [g.ms for g in segments if g.kind == "forward"]
         backwards = [g.ms for g in segments if g.kind == "backward"]
-        step = sum(g.ms for g in segments if g.kind in ("step_prep", "step"))  # (one step per iteration)
+        step = sum(g.ms for g in segments if g.kind in planner.STEP_KINDS)  # (one step per iteration)
         return (forwards[:1] or [0.0])[0], statistics.mean(forwards[1:] or [0.0]), (backwards[-1:] or [0.0])[0], step
 
     names = ("first forward", "later forwards", "last backward", "step")
