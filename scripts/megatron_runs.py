@@ -245,21 +245,29 @@ def save_growth_check(plain_rank, offload_rank):
 
 
 def save_growth_checks(plain_ranks, offload_ranks):
-    """[(what, ok, detail)]: `save_growth_check` on every rank, except a rank whose whole state is
-    one chunk (its DP shard inside one parameter) that had nothing off the GPU at a save: the
-    chunked step holds such a chunk through the step, so its saves begin while it is still being
+    """[(what, ok, detail)]: `save_growth_check` on every rank, except a rank with nothing off the
+    GPU at a save whose whole state was one step piece: one chunk, or the chunks of one parameter
+    split over several (the step held back all of them but the last, `step_waiting`). Such a state
+    leaves the step only once its last piece stepped, so its saves begin while it is still being
     copied out and the check would say nothing. Any other rank with nothing off fails, as before.
     At least one rank must have been checked."""
     checks, skipped = [], []
     for r, (plain, ours) in enumerate(zip(plain_ranks, offload_ranks, strict=True)):
-        if offloaded_at_save(ours) == 0 and ours.get("chunk_count") == 1:
+        if offloaded_at_save(ours) == 0 and _state_was_one_piece(ours):
             skipped.append(r)
             continue
         checks.append((f"rank {r} checkpoint save reads what is off the GPU from the host",
                        *save_growth_check(plain, ours)))
     checks.append(("some rank saved with state off the GPU", len(skipped) < len(offload_ranks),
-                   f"(one-chunk ranks with nothing off at a save: {skipped})" if skipped else ""))
+                   f"(one-piece ranks with nothing off at a save: {skipped})" if skipped else ""))
     return checks
+
+
+def _state_was_one_piece(rank_record):
+    """Whether a rank's whole state was one piece of the chunked step: one chunk, or all its chunks
+    but one held back at a step (`step_waiting`, the most: chunks waiting for a split parameter's rest)."""
+    count = rank_record.get("chunk_count")
+    return bool(count) and (rank_record.get("step_waiting") or 0) >= count - 1
 
 
 def reserved_saving_check(plain_rank, offload_rank, first, share=0.5):

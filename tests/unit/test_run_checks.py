@@ -224,10 +224,12 @@ def test_benchmark_reports_each_checkpoint_save(capsys):
     assert "baseline: checkpoint saves" not in out
 
 
-def test_save_growth_checks_skip_only_a_one_chunk_rank_with_nothing_off():
+def test_save_growth_checks_skip_only_a_one_piece_rank_with_nothing_off():
     """A rank whose state is one chunk holds it through the chunked step (DP2 rank 1 of the
-    matrix's dp2-async-chunked): it is left out, the other rank still checked. A rank of several
-    chunks with nothing off is checked, and fails."""
+    matrix's dp2-async-chunked, before small states were split): it is left out, the other rank
+    still checked. So is a rank whose state is one parameter split over several chunks, all but
+    the last held back by the step (that rank since). A rank of several chunks with nothing off
+    and fewer held back is checked, and fails."""
     from megatron_runs import save_growth_checks
 
     def one_chunk(record):
@@ -237,6 +239,14 @@ def test_save_growth_checks_skip_only_a_one_chunk_rank_with_nothing_off():
     assert [c[0] for c in checks] == ["rank 0 checkpoint save reads what is off the GPU from the host",
                                       "some rank saved with state off the GPU"]
     assert all(ok for _, ok, _ in checks) and "[1]" in checks[-1][2]
+    # One split parameter in three chunks, two held back at a step: left out as well.
+    split = dict(rank(10, state=168, off=0), chunk_count=3, step_waiting=2)
+    checks = save_growth_checks([rank(10), rank(10)], [rank(12, state=256), split])
+    assert [ok for _, ok, _ in checks] == [True, True] and "[1]" in checks[-1][2]
+    # The same chunks with at most one held back: checked, and it fails.
+    checks = save_growth_checks([rank(10), rank(10)],
+                                [rank(12, state=256), dict(split, step_waiting=1)])
+    assert [ok for _, ok, _ in checks] == [True, False, True]
     # A save that brought the state back on the checked rank still fails.
     checks = save_growth_checks([rank(10), rank(10)],
                                 [rank(10 + 256, state=256), one_chunk(rank(10, state=256, off=0))])
