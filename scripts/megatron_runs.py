@@ -265,7 +265,9 @@ def save_growth_checks(plain_ranks, offload_ranks):
 
 def _state_was_one_piece(rank_record):
     """Whether a rank's whole state was one piece of the chunked step: one chunk, or all its chunks
-    but one held back at a step (`step_waiting`, the most: chunks waiting for a split parameter's rest)."""
+    but one held back at a step (`step_waiting`, the most: chunks waiting for a split parameter's rest).
+    With several optimizers on a rank `chunk_count` sums theirs while `step_waiting` is one
+    optimizer's, so such a rank is not skipped (the strict side)."""
     count = rank_record.get("chunk_count")
     return bool(count) and (rank_record.get("step_waiting") or 0) >= count - 1
 

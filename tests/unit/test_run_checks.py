@@ -226,10 +226,10 @@ def test_benchmark_reports_each_checkpoint_save(capsys):
 
 def test_save_growth_checks_skip_only_a_one_piece_rank_with_nothing_off():
     """A rank whose state is one chunk holds it through the chunked step (DP2 rank 1 of the
-    matrix's dp2-async-chunked, before small states were split): it is left out, the other rank
-    still checked. So is a rank whose state is one parameter split over several chunks, all but
-    the last held back by the step (that rank since). A rank of several chunks with nothing off
-    and fewer held back is checked, and fails."""
+    matrix's dp2-async-chunked, before a parameter's state could be split): it is left out, the
+    other rank still checked. So is a rank whose state is one parameter split over several chunks,
+    all but the last held back by the step (that rank since). A rank of several chunks with
+    nothing off and fewer held back is checked, and fails."""
     from megatron_runs import save_growth_checks
 
     def one_chunk(record):
@@ -246,6 +246,9 @@ def test_save_growth_checks_skip_only_a_one_piece_rank_with_nothing_off():
     # The same chunks with at most one held back: checked, and it fails.
     checks = save_growth_checks([rank(10), rank(10)],
                                 [rank(12, state=256), dict(split, step_waiting=1)])
+    assert [ok for _, ok, _ in checks] == [True, False, True]
+    # Two held back of four chunks: the threshold follows the chunk count, so it is checked.
+    checks = save_growth_checks([rank(10), rank(10)], [rank(12, state=256), dict(split, chunk_count=4)])
     assert [ok for _, ok, _ in checks] == [True, False, True]
     # A save that brought the state back on the checked rank still fails.
     checks = save_growth_checks([rank(10), rank(10)],
